@@ -1,0 +1,16 @@
+"""The `dspark-ctl` Typer app. Each command group lives in its own module and registers here.
+
+Commands that need torch (prepare, train, eval, bench sim) import it inside the command body, so
+`import dspark_ctl` stays light enough for an operator's laptop.
+"""
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, help="Control and benchmark DSpark speculative decoding.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: JSON results, optional PNG plots.")
+app.add_typer(bench_app, name="bench")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
