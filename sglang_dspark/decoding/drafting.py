@@ -1,0 +1,96 @@
+"""Draft sampling: the Markov walk over one block of drafter hidden states.
+
+The parallel backbone gives base logits U_k for all gamma slots at once; the Markov head makes
+the block a left-to-right chain (dspark-algorithm.md section 2): with prev_0 = anchor,
+
+    x_k ~ transform(U_k + B_k(prev_k)),   prev_{k+1} = x_k,
+
+where ``transform`` is :func:`logits_to_probs` (the same temperature/top-p/top-k the target
+uses, or argmax when greedy). Each step is an exact softmax, so the kept fp32 probabilities are
+exactly the p_d that rejection sampling needs. The confidence head scores slot k from h_k and
+the sampled previous token, so it must run inside the walk too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from sglang_dspark.decoding.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from sglang_dspark.decoding.verification import DraftBlock
+
+
+class BlockDrafter(Protocol):
+    """What the walk needs from a drafter (``sglang_dspark.model.DSparkDrafter`` provides it)."""
+
+    d2t: torch.Tensor | None
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def markov_bias(
+        self, prev_tokens: torch.Tensor, hidden: torch.Tensor, state: Any
+    ) -> tuple[torch.Tensor, Any]: ...
+
+    def confidence_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor: ...
+
+
+def sample_block(
+    drafter: BlockDrafter,
+    hidden: torch.Tensor,
+    anchors: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    target_vocab_size: int | None = None,
+) -> DraftBlock:
+    """Walk the block ``hidden [B, gamma, d]`` from ``anchors [B]`` (target ids).
+
+    Returns drafts as target ids, their fp32 distributions scattered into the target vocabulary
+    (zero outside a reduced draft vocabulary; ``None`` if every row is greedy) and the
+    confidence logits. ``target_vocab_size`` is needed only when the drafter has a reduced
+    vocabulary (``d2t`` not None); it defaults to ``drafter.config.vocab_size``.
+    """
+    if hidden.dim() != 3 or anchors.shape != (hidden.shape[0],):
+        raise ValueError(
+            f"expected hidden [B, gamma, d] and anchors [B], got {tuple(hidden.shape)} and "
+            f"{tuple(anchors.shape)}"
+        )
+    batch, gamma, _ = hidden.shape
+    d2t = drafter.d2t
+    vocab_map = None if d2t is None else d2t.to(hidden.device)
+    if vocab_map is not None and target_vocab_size is None:
+        target_vocab_size = int(drafter.config.vocab_size)
+    all_greedy = bool(params.greedy.all())
+
+    base = drafter.base_logits(hidden)
+    prev = anchors.to(device=hidden.device, dtype=torch.long)
+    state = None
+    tokens, probs, confidences = [], [], []
+    for slot in range(gamma):
+        slot_hidden = hidden[:, slot]
+        confidences.append(drafter.confidence_logits(slot_hidden, prev))
+        bias, state = drafter.markov_bias(prev, slot_hidden, state)
+        logits = base[:, slot] + bias
+        if all_greedy:
+            draft_ids = logits.argmax(-1)
+        else:
+            slot_probs = logits_to_probs(logits, params)
+            draft_ids = sample_from_probs(slot_probs, generator)
+            probs.append(_to_target_vocab(slot_probs, vocab_map, target_vocab_size))
+        prev = draft_ids if vocab_map is None else vocab_map[draft_ids]
+        tokens.append(prev)
+    return DraftBlock(
+        tokens=torch.stack(tokens, dim=1),
+        probs=None if all_greedy else torch.stack(probs, dim=1),
+        confidence_logits=torch.stack(confidences, dim=1).float(),
+    )
+
+
+def _to_target_vocab(
+    probs: torch.Tensor, vocab_map: torch.Tensor | None, target_vocab_size: int | None
+) -> torch.Tensor:
+    """Scatter draft-vocabulary probabilities ``[B, V_draft]`` to ``[B, V_target]``."""
+    if vocab_map is None:
+        return probs
+    full = probs.new_zeros(probs.shape[0], target_vocab_size)
+    return full.index_copy_(1, vocab_map, probs)

@@ -1,0 +1,145 @@
+"""Per-request sampling parameters and the logits -> probabilities transform.
+
+Speculative decoding is lossless only if the draft distribution p_d used for rejection is the
+exact distribution the drafts were sampled from, and the target distribution p_t is the one the
+target would sample from without speculation. Both therefore go through the single function
+:func:`logits_to_probs` here, in fp32.
+
+The transform follows SGLang's native sampler so that a request served with DSpark sees the same
+distribution as without it: divide by the temperature, softmax, then keep a token iff its rank
+(by probability, descending) is below ``top_k`` and the probability mass strictly before it is at
+most ``top_p``, both measured on the full tempered distribution, then renormalise. Temperature 0
+means greedy: the row becomes one-hot on the argmax of the raw logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy (the DeepSpec evaluator's threshold)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, one entry per batch row.
+
+    temperature: ``[B]`` float, ``0`` means greedy (argmax).
+    top_p: ``[B]`` float in ``(0, 1]``, ``1`` disables nucleus filtering.
+    top_k: ``[B]`` int, ``0`` disables top-k filtering.
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor) or value.dim() != 1:
+                raise ValueError(f"SamplingParams.{name} must be a 1-D tensor [B], got {value!r}")
+        sizes = {self.temperature.numel(), self.top_p.numel(), self.top_k.numel()}
+        if len(sizes) != 1:
+            raise ValueError(
+                "SamplingParams tensors must all have one entry per request, got sizes "
+                f"temperature={self.temperature.numel()}, top_p={self.top_p.numel()}, "
+                f"top_k={self.top_k.numel()}"
+            )
+        if bool((self.temperature < 0).any()):
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature.tolist()}")
+        if bool(((self.top_p <= 0) | (self.top_p > 1)).any()):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p.tolist()}")
+        if self.top_k.is_floating_point() or bool((self.top_k < 0).any()):
+            raise ValueError(f"top_k must be a non-negative integer tensor (0 = off), got {self.top_k!r}")
+
+    @classmethod
+    def uniform(
+        cls,
+        batch_size: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        device: torch.device | str | None = None,
+    ) -> SamplingParams:
+        """The same settings for every one of ``batch_size`` requests."""
+        return cls(
+            temperature=torch.full((batch_size,), float(temperature), device=device),
+            top_p=torch.full((batch_size,), float(top_p), device=device),
+            top_k=torch.full((batch_size,), int(top_k), dtype=torch.long, device=device),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.numel()
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        """``[B]`` bool: rows decoded by argmax."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def select(self, rows: torch.Tensor) -> SamplingParams:
+        """The parameters of a subset of rows (index or bool mask)."""
+        return SamplingParams(self.temperature[rows], self.top_p[rows], self.top_k[rows])
+
+    def to(self, device: torch.device | str) -> SamplingParams:
+        return SamplingParams(
+            self.temperature.to(device), self.top_p.to(device), self.top_k.to(device)
+        )
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """fp32 sampling distribution of ``logits [B, ..., V]`` under per-row ``params``.
+
+    Extra dims between the batch and the vocabulary (e.g. block slots) share their row's
+    parameters. Greedy rows become one-hot on the argmax; the others are the tempered softmax
+    restricted by top-k / top-p and renormalised.
+    """
+    if logits.dim() < 2:
+        raise ValueError(f"logits must be [B, ..., V], got shape {tuple(logits.shape)}")
+    batch = logits.shape[0]
+    if params.batch_size != batch:
+        raise ValueError(
+            f"SamplingParams has {params.batch_size} rows but logits have batch size {batch}"
+        )
+    vocab = logits.shape[-1]
+    flat = logits.reshape(batch, -1, vocab).float()
+    slots = flat.shape[1]
+
+    def per_row(values: torch.Tensor) -> torch.Tensor:
+        return values.to(flat.device).repeat_interleave(slots)
+
+    flat = flat.reshape(-1, vocab)
+    greedy = per_row(params.greedy)
+    temperature = torch.where(greedy, torch.ones_like(per_row(params.temperature)), per_row(params.temperature))
+    probs = torch.softmax(flat / temperature.unsqueeze(-1), dim=-1)
+    probs = _filter_top_k_top_p(probs, per_row(params.top_k), per_row(params.top_p))
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, flat.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
+    return probs.reshape(logits.shape)
+
+
+def _filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tokens outside top-k / top-p (both judged on ``probs``) and renormalise."""
+    vocab = probs.shape[-1]
+    use_top_k = (top_k > 0) & (top_k < vocab)
+    use_top_p = top_p < 1.0
+    if not bool((use_top_k | use_top_p).any()):
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    drop = (use_top_k.unsqueeze(-1) & (rank >= top_k.unsqueeze(-1))) | (
+        use_top_p.unsqueeze(-1) & (mass_before > top_p.unsqueeze(-1))
+    )
+    drop[:, 0] = False  # the most likely token always survives
+    kept = sorted_probs.masked_fill(drop, 0.0)
+    filtered = torch.zeros_like(probs).scatter_(-1, order, kept)
+    return filtered / filtered.sum(-1, keepdim=True)
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of ``probs [N, V]`` (rows need not be normalised)."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

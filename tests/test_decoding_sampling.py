@@ -1,0 +1,111 @@
+"""logits_to_probs: temperature, top-k, top-p and greedy, checked against a plain-Python reference."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sglang_dspark.decoding import SamplingParams, logits_to_probs
+
+
+def reference_probs(logits: list[float], temperature: float, top_p: float, top_k: int) -> list[float]:
+    """SGLang's rule written out longhand: rank by tempered probability, keep rank < top_k and
+    mass-before <= top_p (both on the full distribution), renormalise; T=0 is argmax."""
+    if temperature == 0:
+        best = max(range(len(logits)), key=lambda i: logits[i])
+        return [1.0 if i == best else 0.0 for i in range(len(logits))]
+    weights = [math.exp(x / temperature) for x in logits]
+    total = sum(weights)
+    probs = [w / total for w in weights]
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept = [0.0] * len(probs)
+    mass_before = 0.0
+    for rank, token in enumerate(order):
+        within_k = top_k == 0 or rank < top_k
+        within_p = top_p >= 1.0 or mass_before <= top_p
+        if rank == 0 or (within_k and within_p):
+            kept[token] = probs[token]
+        mass_before += probs[token]
+    total_kept = sum(kept)
+    return [p / total_kept for p in kept]
+
+
+SETTINGS = [
+    (1.0, 1.0, 0),
+    (0.7, 1.0, 0),
+    (0.7, 0.9, 0),
+    (1.3, 0.5, 0),
+    (1.0, 1.0, 5),
+    (0.5, 0.8, 3),
+    (2.0, 0.3, 10),
+    (0.0, 1.0, 0),
+    (0.0, 0.9, 4),
+]
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "top_k"), SETTINGS)
+def test_matches_reference_rule(temperature: float, top_p: float, top_k: int) -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 40, generator=generator, dtype=torch.float64) * 3
+    params = SamplingParams.uniform(16, temperature, top_p, top_k)
+    probs = logits_to_probs(logits, params)
+    assert probs.dtype == torch.float32
+    expected = torch.tensor(
+        [reference_probs(row.tolist(), temperature, top_p, top_k) for row in logits], dtype=torch.float32
+    )
+    torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_nucleus_keeps_the_token_that_crosses_top_p() -> None:
+    logits = torch.tensor([[0.5, 0.25, 0.125, 0.125]]).log()
+    probs = logits_to_probs(logits, SamplingParams.uniform(1, 1.0, top_p=0.7))
+    torch.testing.assert_close(probs, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
+
+
+def test_mixed_rows_each_follow_their_own_params() -> None:
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(len(SETTINGS), 3, 50, generator=generator)
+    params = SamplingParams(
+        temperature=torch.tensor([s[0] for s in SETTINGS]),
+        top_p=torch.tensor([s[1] for s in SETTINGS]),
+        top_k=torch.tensor([s[2] for s in SETTINGS]),
+    )
+    probs = logits_to_probs(logits, params)
+    for row, (temperature, top_p, top_k) in enumerate(SETTINGS):
+        alone = logits_to_probs(logits[row : row + 1], SamplingParams.uniform(1, temperature, top_p, top_k))
+        torch.testing.assert_close(probs[row : row + 1], alone)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(len(SETTINGS), 3))
+
+
+def test_greedy_is_one_hot_on_argmax() -> None:
+    logits = torch.tensor([[0.1, 2.0, -1.0], [5.0, 4.9, 0.0]])
+    probs = logits_to_probs(logits, SamplingParams.uniform(2, temperature=0.0))
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": torch.tensor([-0.5]), "top_p": torch.tensor([1.0]), "top_k": torch.tensor([0])}, "temperature"),
+        ({"temperature": torch.tensor([1.0]), "top_p": torch.tensor([0.0]), "top_k": torch.tensor([0])}, "top_p"),
+        ({"temperature": torch.tensor([1.0]), "top_p": torch.tensor([1.0]), "top_k": torch.tensor([-1])}, "top_k"),
+        ({"temperature": torch.tensor([1.0, 1.0]), "top_p": torch.tensor([1.0]), "top_k": torch.tensor([0])}, "one entry per request"),
+    ],
+)
+def test_bad_params_fail_with_a_clear_message(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_batch_mismatch_is_an_error() -> None:
+    with pytest.raises(ValueError, match="2 rows but logits have batch size 3"):
+        logits_to_probs(torch.zeros(3, 5), SamplingParams.uniform(2))
+
+
+def test_importing_decoding_does_not_import_sglang() -> None:
+    code = "import sys, sglang_dspark.decoding; assert 'sglang' not in sys.modules, 'sglang imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
