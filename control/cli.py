@@ -10,6 +10,10 @@ app = typer.Typer(no_args_is_help=True, help="Control and benchmark DSpark specu
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: JSON results, optional PNG plots.")
 app.add_typer(bench_app, name="bench")
 
+from dspark_ctl.prepare import prepare_command  # noqa: E402  (each command in its own module)
+
+app.command("prepare")(prepare_command)
+
 
 def main() -> None:
     """Console-script entry point."""
