@@ -1,0 +1,98 @@
+"""`DraftContextCache`: the drafter's incremental cache of projected-context K/V.
+
+Each slot (a request) holds, per drafter layer, the K (after k_norm and RoPE) and V of its
+committed context positions `0..lengths[slot]-1`. Drafting a block reads them; block K/V are
+never written here, so nothing needs cropping after a block. After verification the caller
+appends the accepted positions' taps (`DSparkDrafter.append_context`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DraftContextCache:
+    """Per-layer K/V `[num_slots, capacity, kv_heads, head_dim]` plus `lengths [num_slots]`.
+
+    The capacity grows (doubling) when an append needs more room, so callers need not know the
+    final sequence length up front.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int = 256,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        if num_layers < 1 or num_slots < 1 or capacity < 1:
+            raise ValueError(
+                f"num_layers={num_layers}, num_slots={num_slots}, capacity={capacity}: "
+                "expected all >= 1"
+            )
+        shape = (num_slots, capacity, kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
+
+    def check_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Return `slots` as a long tensor on the cache device; reject out-of-range or repeats."""
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.device).reshape(-1)
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
+            raise ValueError(
+                f"slots {slots.tolist()} out of range: expected ids in [0, {self.num_slots - 1}]"
+            )
+        if torch.unique(slots).numel() != slots.numel():
+            raise ValueError(f"slots {slots.tolist()} repeat an id: expected distinct slots")
+        return slots
+
+    def ensure_capacity(self, needed: int) -> None:
+        """Grow every layer's K/V so that positions `< needed` fit."""
+        if needed <= self.capacity:
+            return
+        new_capacity = max(needed, 2 * self.capacity)
+        for tensors in (self.keys, self.values):
+            for i, old in enumerate(tensors):
+                grown = old.new_zeros((old.shape[0], new_capacity) + old.shape[2:])
+                grown[:, : old.shape[1]] = old
+                tensors[i] = grown
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Forget the context of `slots` (a finished request's slot can be reused)."""
+        self.lengths[self.check_slots(slots)] = 0
+
+    def truncate(self, slots: torch.Tensor, new_lengths: torch.Tensor) -> None:
+        """Shorten the context of `slots` to `new_lengths` (never lengthen it)."""
+        slots = self.check_slots(slots)
+        new_lengths = torch.as_tensor(new_lengths, dtype=torch.long, device=self.device).reshape(-1)
+        if new_lengths.shape != slots.shape:
+            raise ValueError(
+                f"new_lengths has {new_lengths.numel()} entries for {slots.numel()} slots: "
+                "expected one per slot"
+            )
+        current = self.lengths[slots]
+        if bool((new_lengths < 0).any()) or bool((new_lengths > current).any()):
+            raise ValueError(
+                f"new_lengths {new_lengths.tolist()} must lie in [0, current] = "
+                f"[0, {current.tolist()}]"
+            )
+        self.lengths[slots] = new_lengths
