@@ -1,0 +1,123 @@
+"""DSPARK_LIVE knobs: the draft checkpoint folder plus `DSPARK_*` environment variables.
+
+SGLang plugins cannot add CLI flags, so everything SGLang has no flag for is read here, once per
+process, with a clear error for a bad value:
+
+| variable | default | meaning |
+|---|---|---|
+| `DSPARK_GAMMA` | checkpoint `block_size` | drafts per block (1..block_size) |
+| `DSPARK_PLANNER` | `production` if an SPS table is found, else `all` | `all`: verify every draft; `production`: capacity from survivals two steps back + global top-K fill; `fixed:N`: verify N drafts per request |
+| `DSPARK_SPS_PATH` | `<draft>/sps.json` if present | cost model JSON (`scheduling.load_cost_model`) |
+| `DSPARK_STS_PATH` | `<draft>/sts.json` if present | STS temperatures JSON (`calibration.StsCalibration`) |
+| `DSPARK_RECORDS` | 2048 | per-step records kept in memory (bounded ring) |
+| `DSPARK_SEED` | 0 | seed of the drafter's and verifier's sampling generator |
+| `DSPARK_VERIFY_ATTENTION` | `linear` | CPU verify attention: `linear` (SDPA over the request's KV, q_len = window) or `native` (SGLang torch_native extend, re-attends the prefix) |
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+PLANNER_MODES = ("all", "production", "fixed")
+VERIFY_ATTENTION_MODES = ("linear", "native")
+
+
+class SettingsError(ValueError):
+    """A DSPARK_* variable or the draft folder does not fit; the message says what was expected."""
+
+
+@dataclass(frozen=True)
+class LiveSettings:
+    draft_path: Path
+    block_size: int
+    gamma: int
+    planner: str
+    fixed_drafts: int
+    sps_path: Path | None
+    sts_path: Path | None
+    max_records: int
+    seed: int
+    verify_attention: str
+
+    @property
+    def verify_window(self) -> int:
+        """Tokens per request in a full verify: the bonus plus gamma drafts."""
+        return self.gamma + 1
+
+
+def _int_env(name: str, default: int, low: int, high: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r}: expected an integer") from None
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise SettingsError(f"{name}={value}: expected an integer {bound}")
+    return value
+
+
+def _optional_file(env_name: str, fallback: Path) -> Path | None:
+    raw = os.environ.get(env_name)
+    if raw:
+        path = Path(raw)
+        if not path.is_file():
+            raise SettingsError(f"{env_name}={raw!r}: no such file")
+        return path
+    return fallback if fallback.is_file() else None
+
+
+def read_draft_config(draft_path: str | Path) -> dict:
+    """The drafter's config.json as a dict, with a clear error when the folder is not a drafter."""
+    config_file = Path(draft_path) / "config.json"
+    if not config_file.is_file():
+        raise SettingsError(
+            f"--speculative-draft-model-path {draft_path!s}: no config.json there; expected a DSpark "
+            "drafter folder (config.json with block_size, target_layer_ids, ... and model.safetensors)"
+        )
+    return json.loads(config_file.read_text())
+
+
+def load_settings(draft_path: str | Path) -> LiveSettings:
+    """Resolve every knob for the drafter at `draft_path`."""
+    draft_path = Path(draft_path)
+    config = read_draft_config(draft_path)
+    block_size = config.get("block_size") or (config.get("dflash_config") or {}).get("block_size")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise SettingsError(f"{draft_path}/config.json: block_size={block_size!r}, expected a positive integer")
+    gamma = _int_env("DSPARK_GAMMA", block_size, 1, block_size)
+    sps_path = _optional_file("DSPARK_SPS_PATH", draft_path / "sps.json")
+    sts_path = _optional_file("DSPARK_STS_PATH", draft_path / "sts.json")
+    planner_raw = os.environ.get("DSPARK_PLANNER", "").strip().lower() or ("production" if sps_path else "all")
+    planner, _, argument = planner_raw.partition(":")
+    if planner not in PLANNER_MODES:
+        raise SettingsError(f"DSPARK_PLANNER={planner_raw!r}: expected all, production or fixed:N")
+    fixed_drafts = gamma
+    if planner == "fixed":
+        if not argument.isdigit() or not 0 <= int(argument) <= gamma:
+            raise SettingsError(f"DSPARK_PLANNER={planner_raw!r}: expected fixed:N with 0 <= N <= gamma={gamma}")
+        fixed_drafts = int(argument)
+    if planner == "production" and sps_path is None:
+        raise SettingsError(
+            "DSPARK_PLANNER=production needs a cost model: set DSPARK_SPS_PATH or put sps.json in the draft folder"
+        )
+    verify_attention = os.environ.get("DSPARK_VERIFY_ATTENTION", "linear").strip().lower()
+    if verify_attention not in VERIFY_ATTENTION_MODES:
+        raise SettingsError(f"DSPARK_VERIFY_ATTENTION={verify_attention!r}: expected linear or native")
+    return LiveSettings(
+        draft_path=draft_path,
+        block_size=block_size,
+        gamma=gamma,
+        planner=planner,
+        fixed_drafts=fixed_drafts,
+        sps_path=sps_path,
+        sts_path=sts_path,
+        max_records=_int_env("DSPARK_RECORDS", 2048, 1),
+        seed=_int_env("DSPARK_SEED", 0, 0),
+        verify_attention=verify_attention,
+    )

@@ -1,0 +1,39 @@
+"""SGLang plugin entry point (`sglang.srt.plugins: dspark`), run by SGLang in every process.
+
+`register()` (1) installs the pure-torch `sgl_kernel` stand-in when SGLang's CPU engine is requested
+and the CUDA-only PyPI build cannot load, and (2) registers the speculative algorithm
+`DSPARK_LIVE` (overlap-capable, V2 result schema). Serving then needs only:
+
+    SGLANG_USE_CPU_ENGINE=1 python -m sglang.launch_server --device cpu \
+        --model-path TARGET --speculative-algorithm DSPARK_LIVE --speculative-draft-model-path DRAFTER
+
+Our knobs that SGLang has no flags for come from `DSPARK_*` environment variables and the draft
+checkpoint folder (see `sglang_dspark.engine.settings`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang_dspark.kernels_cpu import install as install_cpu_kernels
+
+ALGORITHM_NAME = "DSPARK_LIVE"
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """Install the CPU kernels if needed and register `DSPARK_LIVE` (idempotent per process)."""
+    install_cpu_kernels()
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    if get_spec(ALGORITHM_NAME) is not None:
+        return
+    from sglang_dspark.engine.algorithm import DSparkLiveAlgorithm, create_worker_class, validate_server_args
+
+    SpeculativeAlgorithm.register(
+        ALGORITHM_NAME,
+        supports_overlap=True,
+        validate_server_args=validate_server_args,
+        spec_class=DSparkLiveAlgorithm,
+    )(create_worker_class)

@@ -1,0 +1,135 @@
+"""Build a tiny SGLang-servable target (random Llama + a real byte-level BPE tokenizer) and run servers.
+
+Used by the session-scoped server fixtures in `conftest.py`, and usable by hand:
+`python tests/server_fixtures.py /tmp/tiny-target` writes the target folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>", "<|MASK|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_TARGET = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=256, max_position_embeddings=4096, rope_theta=10000.0)
+
+
+def _training_text(max_chars: int = 400_000) -> list[str]:
+    """A bit of the Python standard library: real text the BPE can learn merges from, offline."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="ignore")
+        texts.append(text)
+        total += len(text)
+        if total >= max_chars:
+            break
+    return texts
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 1024) -> int:
+    """Train a byte-level BPE, save it as a transformers fast tokenizer; return its vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(_training_text(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
+                                   pad_token=EOS_TOKEN, mask_token="<|MASK|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return tokenizer.get_vocab_size()
+
+
+def build_tiny_target(folder: Path, seed: int = 0, init_std: float = 0.08) -> Path:
+    """Write a random tiny Llama with its tokenizer to `folder` (idempotent).
+
+    `init_std` is larger than the usual 0.02 so logits are well separated: greedy decoding of a
+    random model must not hinge on float rounding differences between a decode and a verify pass.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = Path(folder)
+    if (folder / "config.json").exists() and (folder / "tokenizer.json").exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab_size = build_tokenizer(folder)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, initializer_range=init_std, tie_word_embeddings=False,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0, torch_dtype="float32", **TINY_TARGET)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "bos_token_id": 0}))
+    return folder
+
+
+@dataclass
+class ServerHandle:
+    """A running `python -m sglang.launch_server` and how to reach it."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    def stop(self) -> None:
+        """Stop the whole process group (scheduler and detokenizer are children)."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+
+def launch_server(model_path: Path, port: int, log_path: Path, extra_args: list[str] | None = None,
+                  env: dict[str, str] | None = None, timeout_s: float = 300.0) -> ServerHandle:
+    """Start SGLang on CPU in its own process group and wait until /health answers 200."""
+    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+            "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--max-total-tokens", "16384", "--max-running-requests", "16", "--sleep-on-idle",
+            "--mem-fraction-static", "0.05", *(extra_args or [])]
+    full_env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **(env or {})}
+    log_file = open(log_path, "w")
+    process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=full_env,
+                               start_new_session=True)
+    handle = ServerHandle(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path, args=args)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"SGLang server exited with {process.returncode}:\n{handle.log_tail()}")
+        try:
+            if httpx.get(f"{handle.url}/health", timeout=5).status_code == 200:
+                return handle
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    handle.stop()
+    raise TimeoutError(f"SGLang server not healthy after {timeout_s:.0f}s:\n{handle.log_tail()}")
+
+
+if __name__ == "__main__":
+    print(build_tiny_target(Path(sys.argv[1])))
