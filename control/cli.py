@@ -14,6 +14,10 @@ from dspark_ctl.prepare import prepare_command  # noqa: E402  (each command in i
 
 app.command("prepare")(prepare_command)
 
+from dspark_ctl import bench_sim  # noqa: E402  (bench sim / planner / sps-cpu)
+
+bench_sim.register(bench_app)
+
 
 def main() -> None:
     """Console-script entry point."""

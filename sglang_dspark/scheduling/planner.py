@@ -1,0 +1,422 @@
+"""The verification planner: how many drafts each request verifies this step.
+
+Objective (paper Section 3.2.2): maximise expected tokens per second
+    Theta = tau / (T(bs, B, C) + fixed_seconds),
+    B = sum_r (1 + l_r) batch tokens, tau = sum_r (1 + sum_{j<=l_r} a_{r,j}) expected tokens,
+where a_{r,j} is the prefix survival of request r's draft j and T comes from a cost model.
+`fixed_seconds` is per-step time that does not depend on the verify width (the drafter's
+forward, sampling, scheduling); the paper's SPS table leaves it out, which biases the planner
+towards too-short verification when drafting is not free.
+
+Two planners, both non-anticipating (whether draft k is admitted never depends on the value of
+draft k or anything after it; such values only enter through a_{r,k+1}, a_{r,k+2}, ...):
+
+* `plan_algorithm1`: the paper's Algorithm 1. Candidates (r, j) sorted by a_{r,j} descending,
+  admitted while Theta strictly rises, stop at the first non-improvement. A candidate's fate is
+  decided by the candidates ranked at or above it, and a_{r,k+1} <= a_{r,k} ranks below (r, k).
+* the production pair `capacity_from` + `fill_capacity`: the capacity K (total draft slots) is a
+  global argmax of Theta over survivals from earlier steps, so it is known before the target
+  forward is launched and cannot see this step's tokens; the K slots then go to a global top-K of
+  this step's survivals. `TwoStepCapacityPlanner` holds the earlier survivals for the worker.
+
+Ties are broken by position, then request (stable sort over a position-major flattening), so a
+row's admitted drafts are always a prefix. `verify_lens[r]` counts admitted drafts (0..gamma);
+the anchor/bonus position is always verified on top of them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import torch
+
+from sglang_dspark.scheduling.cost_model import CostModel, CostModelSlot, StepCostTable
+
+DEFAULT_SURVIVAL_EPS = 1e-6
+
+
+class PlannerError(ValueError):
+    """Planner input of the wrong shape or range; the message says what was expected."""
+
+
+def survivals_from_confidences(
+    confidence_logits: torch.Tensor, temperatures: torch.Tensor | None = None
+) -> torch.Tensor:
+    """a_{r,k} = prod_{i<=k} sigmoid(c_{r,i} / T_i): prefix survival from raw confidence logits."""
+    logits = confidence_logits.to(torch.float32)
+    if temperatures is not None:
+        logits = logits / temperatures.to(torch.float32)
+    return torch.cumprod(torch.sigmoid(logits), dim=-1)
+
+
+def _lengths(value: torch.Tensor | int | None, batch: int, default: int, name: str) -> torch.Tensor:
+    if value is None:
+        return torch.full((batch,), default, dtype=torch.long)
+    if isinstance(value, int):
+        return torch.full((batch,), value, dtype=torch.long)
+    if value.shape != (batch,):
+        raise PlannerError(f"{name} must have shape ({batch},), got {tuple(value.shape)}")
+    return value.to(torch.long)
+
+
+def _check_inputs(
+    survivals: torch.Tensor, min_lens: torch.Tensor | int | None, max_lens: torch.Tensor | int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if survivals.dim() != 2 or survivals.shape[0] < 1 or survivals.shape[1] < 1:
+        raise PlannerError(
+            f"survivals must be [batch >= 1, gamma >= 1], got shape {tuple(survivals.shape)}"
+        )
+    batch, gamma = survivals.shape
+    lowest, highest = torch.aminmax(survivals)
+    if not (float(lowest) >= 0.0 and float(highest) <= 1.0):
+        raise PlannerError("survivals must lie in [0, 1] (prefix survival probabilities)")
+    if gamma > 1 and not bool((survivals[:, 1:] <= survivals[:, :-1]).all()):
+        raise PlannerError(
+            "survivals must be non-increasing along positions (a cumulative product of "
+            "confidences); pass survivals_from_confidences(...), not raw confidences"
+        )
+    low = _lengths(min_lens, batch, 0, "min_lens")
+    high = _lengths(max_lens, batch, gamma, "max_lens")
+    if bool((low < 0).any()) or bool((high > gamma).any()) or bool((low > high).any()):
+        raise PlannerError(
+            f"need 0 <= min_lens <= max_lens <= gamma={gamma}, got min_lens={low.tolist()}, "
+            f"max_lens={high.tolist()}"
+        )
+    return low, high
+
+
+@dataclass(frozen=True)
+class _Path:
+    """The greedy admission path: forced drafts first, then candidates by survival."""
+
+    rows: torch.Tensor  # [n] request of each candidate, in admission order
+    values: torch.Tensor  # [n] its survival
+    forced: torch.Tensor  # [B] drafts admitted regardless (min_lens)
+    forced_survival: float
+
+
+def _admission_path(
+    survivals: torch.Tensor, low: torch.Tensor, high: torch.Tensor, eps: float
+) -> _Path:
+    batch, gamma = survivals.shape
+    position = torch.arange(gamma)
+    forced_mask = position[None, :] < low[:, None]
+    allowed = (position[None, :] < high[:, None]) & ~forced_mask & (survivals > eps)
+    masked = torch.where(allowed, survivals, torch.full_like(survivals, -1.0))
+    values, order = torch.sort(masked.t().reshape(-1), descending=True, stable=True)
+    count = int(allowed.sum())
+    return _Path(
+        rows=order[:count] % batch,
+        values=values[:count].to(torch.float64),
+        forced=low,
+        forced_survival=float(survivals[forced_mask].sum()),
+    )
+
+
+def _throughput_curve(
+    path: _Path,
+    cost_model: CostModel,
+    context_tokens: float,
+    fixed_seconds: float,
+) -> torch.Tensor:
+    """Theta after admitting the first i candidates, i = 0..n."""
+    batch = path.forced.numel()
+    base_tokens = batch + int(path.forced.sum())
+    tau = torch.cat(
+        [torch.zeros(1, dtype=torch.float64), torch.cumsum(path.values, 0)]
+    ) + (batch + path.forced_survival)
+    tokens = base_tokens + torch.arange(path.values.numel() + 1, dtype=torch.float64)
+    seconds = cost_model.step_seconds(batch, tokens, context_tokens) + fixed_seconds
+    return tau / seconds
+
+
+def _lens_from_admitted(path: _Path, admitted: int) -> torch.Tensor:
+    batch = path.forced.numel()
+    return path.forced + torch.bincount(path.rows[:admitted], minlength=batch)
+
+
+def _is_flat(cost_model: CostModel) -> bool:
+    return isinstance(cost_model, StepCostTable) and cost_model.is_flat
+
+
+def plan_algorithm1(
+    survivals: torch.Tensor,
+    cost_model: CostModel,
+    *,
+    context_tokens: float = 0.0,
+    fixed_seconds: float = 0.0,
+    min_lens: torch.Tensor | int | None = None,
+    max_lens: torch.Tensor | int | None = None,
+    survival_eps: float = DEFAULT_SURVIVAL_EPS,
+) -> torch.Tensor:
+    """Paper Algorithm 1 with early stop: verify_lens [B] (drafts per request, anchor excluded).
+
+    A flat (uninitialised) table verifies every draft up to max_lens.
+    """
+    low, high = _check_inputs(survivals, min_lens, max_lens)
+    if _is_flat(cost_model):
+        return high.clone()
+    path = _admission_path(survivals, low, high, survival_eps)
+    theta = _throughput_curve(path, cost_model, context_tokens, fixed_seconds)
+    rising = (theta[1:] > theta[:-1]).to(torch.int32)
+    admitted = int(torch.cumprod(rising, 0).sum()) if rising.numel() else 0
+    return _lens_from_admitted(path, admitted)
+
+
+@dataclass(frozen=True)
+class CapacityDecision:
+    """The production planner's per-step decision, made before the step's drafts exist.
+
+    capacity: K, total draft slots to verify (forced ones included); draft_width: how many block
+    slots the drafter must produce (0: skip the drafter's forward this step); expected_tokens and
+    step_seconds: the objective at the chosen point (Theta = expected_tokens / step_seconds).
+    """
+
+    capacity: int
+    draft_width: int
+    expected_tokens: float
+    step_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.expected_tokens / self.step_seconds
+
+
+def _draft_costs(draft_seconds: float | Sequence[float], gamma: int) -> torch.Tensor:
+    """Seconds to draft w = 0..gamma slots; a scalar means 'the whole block or nothing'."""
+    if isinstance(draft_seconds, (int, float)):
+        return torch.tensor([0.0] + [float(draft_seconds)] * gamma, dtype=torch.float64)
+    costs = torch.tensor(list(draft_seconds), dtype=torch.float64)
+    if costs.shape != (gamma + 1,) or bool((costs < 0).any()) or float(costs[0]) != 0.0:
+        raise PlannerError(
+            f"draft_seconds per width must have {gamma + 1} entries (w = 0..gamma), be >= 0 and "
+            f"start with 0.0, got {list(draft_seconds)}"
+        )
+    return costs
+
+
+def decide_capacity(
+    survivals: torch.Tensor,
+    cost_model: CostModel,
+    *,
+    context_tokens: float = 0.0,
+    fixed_seconds: float = 0.0,
+    draft_seconds: float | Sequence[float] = 0.0,
+    min_lens: torch.Tensor | int | None = None,
+    max_lens: torch.Tensor | int | None = None,
+    survival_eps: float = DEFAULT_SURVIVAL_EPS,
+    require_draft: bool = False,
+) -> CapacityDecision:
+    """Choose (K, draft width) maximising expected tokens/s, global argmax (no early stop: jagged
+    tables have local maxima).
+
+    survivals: [B, gamma] or [m, B, gamma], earlier steps' survivals aligned to the current
+    requests; with m snapshots the expected top-K sum is their average (a steadier estimate of
+    this step's than any single old step). Only old information enters, so whatever this step's
+    tokens are, K and the width are already fixed: the pair with `fill_capacity` is
+    non-anticipating. draft_seconds: per-step drafter time, charged only when drafting (a scalar),
+    or per width w = 0..gamma (a drafter that can run a shorter block). require_draft: exclude
+    width 0 (the planner's periodic exploration)."""
+    snapshots = survivals if survivals.dim() == 3 else survivals[None]
+    if snapshots.dim() != 3 or snapshots.shape[0] < 1:
+        raise PlannerError(
+            f"survivals must be [B, gamma] or [m, B, gamma], got {tuple(survivals.shape)}"
+        )
+    m, batch, gamma = snapshots.shape
+    low, high = _check_inputs(snapshots.reshape(m * batch, gamma), None, None)
+    low, high = _check_inputs(snapshots[0], min_lens, max_lens)
+    if _is_flat(cost_model):
+        total = int(high.sum())
+        return CapacityDecision(total, gamma, float("nan"), float("nan"))
+    costs = _draft_costs(draft_seconds, gamma)
+    position = torch.arange(gamma)
+    forced = position[None, :] < low[:, None]
+    allowed = (position[None, :] < high[:, None]) & ~forced
+    widths = torch.arange(gamma + 1)
+    # [w, B, gamma]: slots the drafter produces at width w that the fill may use
+    usable = allowed[None] & (position[None, None, :] < widths[:, None, None])
+    values = torch.where(snapshots > survival_eps, snapshots, torch.zeros_like(snapshots)).double()
+    masked = torch.where(usable[None], values[:, None], torch.full_like(values[:, None], -1.0))
+    ranked, _ = torch.sort(masked.reshape(m, gamma + 1, batch * gamma), dim=-1, descending=True)
+    gains = torch.cumsum(ranked.clamp(min=0.0), dim=-1).mean(dim=0)  # [w, n]
+    forced_count = int(low.sum())
+    base_tau = batch + float((values * forced[None]).sum()) / m
+    tau = torch.cat([torch.zeros(gamma + 1, 1, dtype=torch.float64), gains], dim=1) + base_tau
+    count = torch.arange(batch * gamma + 1, dtype=torch.float64)
+    target_seconds = cost_model.step_seconds(batch, batch + forced_count + count, context_tokens)
+    seconds = target_seconds[None, :] + fixed_seconds + costs[:, None]
+    feasible = count[None, :] <= usable.sum(dim=(1, 2))[:, None]
+    feasible &= widths[:, None] >= max(int(low.max()), 1 if require_draft else 0)
+    theta = torch.where(feasible, tau / seconds, torch.full_like(seconds, -1.0))
+    best = int(torch.argmax(theta.reshape(-1)))
+    width, extra = divmod(best, batch * gamma + 1)
+    return CapacityDecision(
+        capacity=forced_count + extra,
+        draft_width=width,
+        expected_tokens=float(tau[width, extra]),
+        step_seconds=float(seconds[width, extra]),
+    )
+
+
+def capacity_from(
+    survivals: torch.Tensor,
+    cost_model: CostModel,
+    *,
+    context_tokens: float = 0.0,
+    fixed_seconds: float = 0.0,
+    draft_seconds: float = 0.0,
+    min_lens: torch.Tensor | int | None = None,
+    max_lens: torch.Tensor | int | None = None,
+    survival_eps: float = DEFAULT_SURVIVAL_EPS,
+) -> int:
+    """K alone (see `decide_capacity`), for a worker whose drafter always drafts the full block."""
+    return decide_capacity(
+        survivals,
+        cost_model,
+        context_tokens=context_tokens,
+        fixed_seconds=fixed_seconds,
+        draft_seconds=draft_seconds,
+        min_lens=min_lens,
+        max_lens=max_lens,
+        survival_eps=survival_eps,
+    ).capacity
+
+
+def fill_capacity(
+    survivals: torch.Tensor,
+    capacity: int,
+    min_lens: torch.Tensor | int | None = None,
+    max_lens: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """Spend `capacity` draft slots on this step's survivals: min_lens first, then a global top-K
+    (ties: earlier position, then lower request index). Never exceeds max_lens; exceeds
+    `capacity` only when sum(min_lens) alone does. A drafter that ran a shorter block: pass
+    max_lens clamped to the draft width."""
+    if capacity < 0:
+        raise PlannerError(f"capacity must be >= 0, got {capacity}")
+    low, high = _check_inputs(survivals, min_lens, max_lens)
+    path = _admission_path(survivals, low, high, eps=-1.0)
+    return _lens_from_admitted(path, max(capacity - int(low.sum()), 0))
+
+
+@dataclass
+class _Snapshot:
+    index: dict[Hashable, int]
+    survivals: torch.Tensor
+
+
+class TwoStepCapacityPlanner:
+    """The production planner's state, held by the worker across decode steps.
+
+    Per decode step t: `decide(ids, ...)` before launching the forward that needs K (it uses the
+    survivals published at least `lag` steps earlier, averaged over `window` such steps), then
+    `fill_capacity(current survivals, decision.capacity, max_lens=min(max_lens, width))`, then
+    `publish(ids, survivals, decision.draft_width)`. Unknown requests (new since those steps) and
+    slots beyond a short draft width are filled in from a running mean of each position's
+    conditional confidence (1.0 until anything is known: optimistic, so the planner explores).
+    After `explore_every` consecutive skipped drafts the next step drafts anyway, so a planner
+    that turned speculation off notices when drafts become worth verifying again.
+    """
+
+    def __init__(
+        self,
+        cost_model: CostModel | CostModelSlot,
+        gamma: int,
+        lag: int = 2,
+        window: int = 4,
+        fixed_seconds: float = 0.0,
+        survival_eps: float = DEFAULT_SURVIVAL_EPS,
+        explore_every: int = 64,
+        prior_decay: float = 0.05,
+    ) -> None:
+        if lag < 1 or gamma < 1 or window < 1 or explore_every < 1:
+            raise PlannerError(
+                f"need lag, gamma, window, explore_every >= 1; got {lag}, {gamma}, {window}, "
+                f"{explore_every}"
+            )
+        self._slot = cost_model if isinstance(cost_model, CostModelSlot) else CostModelSlot(cost_model)
+        self.gamma, self.lag, self.window = gamma, lag, window
+        self.fixed_seconds, self.survival_eps = fixed_seconds, survival_eps
+        self.explore_every, self.prior_decay = explore_every, prior_decay
+        self._history: deque[_Snapshot] = deque(maxlen=lag + window - 1)
+        self._prior_conditional = torch.ones(gamma, dtype=torch.float32)
+        self._skips = 0
+
+    @property
+    def cost_slot(self) -> CostModelSlot:
+        """Swap the table at a step boundary with `cost_slot.replace(...)`."""
+        return self._slot
+
+    def prior_survival(self) -> torch.Tensor:
+        """The survival curve assumed for a request nothing is known about."""
+        return torch.cumprod(self._prior_conditional, 0)
+
+    def publish(
+        self, request_ids: Sequence[Hashable], survivals: torch.Tensor, draft_width: int | None = None
+    ) -> None:
+        """Record this step's survivals [len(request_ids), gamma]; only the first `draft_width`
+        positions are read (the rest are extended with the prior)."""
+        width = self.gamma if draft_width is None else draft_width
+        if survivals.shape != (len(request_ids), self.gamma) or not 1 <= width <= self.gamma:
+            raise PlannerError(
+                f"publish needs survivals of shape ({len(request_ids)}, {self.gamma}) and "
+                f"1 <= draft_width <= {self.gamma}, got {tuple(survivals.shape)}, {draft_width}"
+            )
+        known = survivals[:, :width].detach().to(torch.float32)
+        previous = torch.cat([torch.ones(known.shape[0], 1), known[:, :-1]], dim=1)
+        conditional = (known / previous.clamp(min=1e-12)).mean(dim=0)
+        decay = self.prior_decay
+        self._prior_conditional[:width] = (1 - decay) * self._prior_conditional[:width] + decay * conditional
+        tail = known[:, -1:] * torch.cumprod(self._prior_conditional[width:], 0)[None, :]
+        index = {rid: i for i, rid in enumerate(request_ids)}
+        self._history.append(_Snapshot(index, torch.cat([known, tail], dim=1)))
+
+    def lagged_survivals(self, request_ids: Sequence[Hashable]) -> torch.Tensor | None:
+        """[m, B, gamma]: the snapshots at least `lag` steps old (the newest ones while fewer
+        exist), aligned to `request_ids`; None before any publish."""
+        if not self._history:
+            return None
+        usable = max(1, len(self._history) - self.lag + 1)
+        prior = self.prior_survival()
+        aligned = []
+        for snapshot in list(self._history)[:usable]:
+            rows = [snapshot.index.get(rid) for rid in request_ids]
+            known = torch.tensor([r is not None for r in rows])
+            gathered = snapshot.survivals[torch.tensor([r if r is not None else 0 for r in rows])]
+            aligned.append(torch.where(known[:, None], gathered, prior[None, :]))
+        return torch.stack(aligned)
+
+    def decide(
+        self,
+        request_ids: Sequence[Hashable],
+        *,
+        context_tokens: float = 0.0,
+        draft_seconds: float | Sequence[float] = 0.0,
+        fixed_seconds: float | None = None,
+        min_lens: torch.Tensor | int | None = None,
+        max_lens: torch.Tensor | int | None = None,
+    ) -> CapacityDecision:
+        """K and draft width for the coming step, from information at least `lag` steps old."""
+        lagged = self.lagged_survivals(request_ids)
+        if lagged is None:
+            lagged = self.prior_survival()[None, None, :].expand(1, len(request_ids), self.gamma)
+        explore = self._skips + 1 >= self.explore_every
+        decision = decide_capacity(
+            lagged,
+            self._slot.model,
+            context_tokens=context_tokens,
+            fixed_seconds=self.fixed_seconds if fixed_seconds is None else fixed_seconds,
+            draft_seconds=draft_seconds,
+            min_lens=min_lens,
+            max_lens=max_lens,
+            survival_eps=self.survival_eps,
+            require_draft=explore,
+        )
+        self._skips = 0 if decision.draft_width > 0 else self._skips + 1
+        return decision
+
+    def capacity(self, request_ids: Sequence[Hashable], **kwargs) -> int:
+        """`decide(...).capacity`."""
+        return self.decide(request_ids, **kwargs).capacity
