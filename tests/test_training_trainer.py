@@ -1,0 +1,99 @@
+"""The trainer lowers its loss on a tiny target, resumes from its checkpoint, and ships bf16."""
+
+import json
+
+import pytest
+import torch
+
+from sglang_dspark.model import load_drafter
+from sglang_dspark.training.target_cache import cache_in_memory
+from sglang_dspark.training.trainer import (
+    DrafterSpec, TrainSettings, draft_vocabulary, target_to_draft, train_drafters,
+)
+from tests.tiny import TINY_LAYER_IDS, TINY_MASK_TOKEN_ID, make_tiny_target
+
+# A peaked random target: its next-token distributions are far from the untrained drafter's.
+PEAKED_INIT_STD = 0.5
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny ops run far faster on one thread than on two contended ones."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _tiny_setup(tmp_path, num_seqs: int = 24):
+    """A tiny target saved as a folder, and a cache of its own greedy continuations."""
+    target = make_tiny_target(seed=0, initializer_range=PEAKED_INIT_STD)
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)
+    generator = torch.Generator().manual_seed(0)
+    records = []
+    for index in range(num_seqs):
+        prompt = torch.randint(3, 400, (8,), generator=generator).tolist()
+        with torch.no_grad():
+            out = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)
+        records.append({"id": f"s{index}", "domain": "chat", "prompt_ids": prompt,
+                        "response_ids": out[0, len(prompt):].tolist()})
+    cache = cache_in_memory(target.to(torch.bfloat16), records, list(TINY_LAYER_IDS), top_k=16)
+    return target_dir, cache
+
+
+def _settings(steps: int) -> TrainSettings:
+    return TrainSettings(layers=1, block_size=4, draft_vocab_size=384, mask_token_id=TINY_MASK_TOKEN_ID,
+                         anchors_per_seq=16, seqs_per_step=4, steps=steps, lr=1e-2, seed=0,
+                         checkpoint_every=1000, eval_every=steps, holdout_seqs=4)
+
+
+def test_loss_falls_and_both_drafters_ship(tmp_path):
+    target_dir, cache = _tiny_setup(tmp_path)
+    specs = [DrafterSpec(out=str(tmp_path / "dspark"), markov_rank=16),
+             DrafterSpec(out=str(tmp_path / "dflash"), markov_rank=0, confidence_head=False)]
+    summary = train_drafters(cache, target_dir, specs, _settings(80), progress=False)
+    assert summary["step"] == 80
+    for spec in specs:
+        log = [json.loads(line) for line in open(f"{spec.out}/train_log.jsonl")]
+        drafter = load_drafter(spec.out, target=make_tiny_target(seed=0, initializer_range=PEAKED_INIT_STD))
+        assert drafter.dtype == torch.bfloat16 and drafter.config.draft_vocab_size == 384
+        assert log[-1]["holdout_tau_t1"] > 1.0
+    first = _first_step_loss(tmp_path, cache, target_dir)
+    final = json.loads(open(f"{specs[0].out}/train_log.jsonl").readlines()[-1])["holdout_loss"]
+    assert final < 0.85 * first, (first, final)
+
+
+def _first_step_loss(tmp_path, cache, target_dir) -> float:
+    """Holdout loss of the untrained drafter (one eval at step 1 of a fresh run)."""
+    settings = _settings(1)
+    settings.eval_every = 1
+    spec = DrafterSpec(out=str(tmp_path / "fresh"), markov_rank=16)
+    train_drafters(cache, target_dir, [spec], settings, progress=False)
+    return json.loads(open(f"{spec.out}/train_log.jsonl").readline())["holdout_loss"]
+
+
+def test_resume_continues_to_the_same_weights(tmp_path):
+    target_dir, cache = _tiny_setup(tmp_path, num_seqs=16)
+    straight = DrafterSpec(out=str(tmp_path / "straight"), markov_rank=8)
+    train_drafters(cache, target_dir, [straight], _settings(10), progress=False)
+    split = DrafterSpec(out=str(tmp_path / "split"), markov_rank=8)
+    train_drafters(cache, target_dir, [split], _settings(10), time_budget_s=0.0, progress=False)
+    assert json.loads(open(f"{split.out}/training.json").read())["steps_done"] == 0
+    train_drafters(cache, target_dir, [split], _settings(10), progress=False)
+    a = load_drafter(straight.out, target=make_tiny_target(seed=0, initializer_range=PEAKED_INIT_STD)).state_dict()
+    b = load_drafter(split.out, target=make_tiny_target(seed=0, initializer_range=PEAKED_INIT_STD)).state_dict()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_draft_vocabulary_keeps_frequent_tokens_and_eos(tmp_path):
+    _, cache = _tiny_setup(tmp_path, num_seqs=8)
+    d2t = draft_vocabulary(cache, 32, always=[2])
+    assert len(d2t) == 32 and 2 in d2t.tolist() and bool((d2t[1:] > d2t[:-1]).all())
+    response_tokens = cache.input_ids[cache.loss_mask].long()
+    most_common = torch.bincount(response_tokens).argmax()
+    assert most_common in d2t
+    t2d = target_to_draft(d2t, 512)
+    assert torch.equal(d2t[t2d[d2t]], d2t) and int((t2d >= 0).sum()) == 32
