@@ -152,7 +152,7 @@ class StepCostTable(CostModel):
     """SPS(B): steps per second at probed batch-token counts, a step function padding up.
 
     Beyond the last probe the time grows in proportion to the tokens (a conservative guess, never
-    cheaper than the largest measured batch).
+    cheaper than the largest measured batch), except for a flat table, which stays flat.
     """
 
     batch_tokens: list[int]
@@ -188,6 +188,8 @@ class StepCostTable(CostModel):
         tokens = batch_tokens.to(torch.float64)
         index = torch.searchsorted(self._knots, tokens).clamp(max=self._knots.numel() - 1)
         padded = self._seconds[index]
+        if self.is_flat:
+            return padded
         beyond = self._seconds[-1] * tokens / self._knots[-1]
         return torch.where(tokens > self._knots[-1], beyond, padded)
 

@@ -1,0 +1,219 @@
+"""Planner properties: capacity limits, load response, verify-all on a flat table, agreement of
+the two planners, and non-anticipation (with a control showing the test catches a planner that
+anticipates, the paper's Appendix A counterexample)."""
+
+import pytest
+import torch
+
+from sglang_dspark.scheduling.cost_model import AdditiveCostModel, StepCostTable, uninitialised_cost_model
+from sglang_dspark.scheduling.planner import (
+    PlannerError,
+    TwoStepCapacityPlanner,
+    capacity_from,
+    decide_capacity,
+    fill_capacity,
+    plan_algorithm1,
+    survivals_from_confidences,
+)
+
+META = {"hardware": "test", "model": "test"}
+
+
+def affine(bias: float = 0.05, per_token: float = 0.002, per_request: float = 0.0) -> AdditiveCostModel:
+    """T = bias + per_request * bs + per_token * B: a smooth, unimodal-objective cost model."""
+    return AdditiveCostModel(
+        bias_seconds=bias,
+        request_knots=[1, 2],
+        alpha_seconds=[0.0, per_request],
+        token_knots=[1, 2],
+        theta_seconds=[0.0, per_token],
+        metadata=META,
+    )
+
+
+def convex() -> AdditiveCostModel:
+    """Memory-bound then compute-bound: cheap tokens first, then steeper."""
+    return AdditiveCostModel(0.05, [1, 2], [0.0, 0.0], [1, 64, 128, 512], [0.0, 0.02, 0.08, 1.0], metadata=META)
+
+
+def random_confidences(batch: int, gamma: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, gamma, generator=g) * 2.0 + 1.0
+
+
+def random_survivals(batch: int, gamma: int, seed: int) -> torch.Tensor:
+    return survivals_from_confidences(random_confidences(batch, gamma, seed))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_capacity_and_length_limits_are_never_exceeded(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    survivals = random_survivals(16, 7, seed)
+    low = torch.randint(0, 3, (16,), generator=g)
+    high = torch.clamp(low + torch.randint(0, 6, (16,), generator=g), max=7)
+    for capacity in (0, 1, 5, 20, 200):
+        lens = fill_capacity(survivals, capacity, min_lens=low, max_lens=high)
+        assert int(lens.sum()) <= max(capacity, int(low.sum()))
+        assert bool((lens >= low).all()) and bool((lens <= high).all())
+        if capacity >= int(low.sum()):
+            assert int(lens.sum()) == min(capacity, int(high.sum()))
+    for cost in (affine(), convex()):
+        lens = plan_algorithm1(survivals, cost, min_lens=low, max_lens=high)
+        assert bool((lens >= low).all()) and bool((lens <= high).all())
+        decision = decide_capacity(survivals, cost, min_lens=low, max_lens=high)
+        assert int(low.sum()) <= decision.capacity <= int(high.sum())
+
+
+@pytest.mark.parametrize("cost", [affine(), affine(per_request=0.001), convex()], ids=["affine", "affine+req", "convex"])
+def test_budget_per_request_never_grows_as_load_grows(cost):
+    row = random_survivals(1, 7, seed=3)
+    previous_a1 = previous_k = float("inf")
+    for load in (1, 2, 4, 8, 16, 32, 64, 128):
+        survivals = row.expand(load, 7).contiguous()
+        per_request_a1 = float(plan_algorithm1(survivals, cost).sum()) / load
+        per_request_k = capacity_from(survivals, cost) / load
+        assert per_request_a1 <= previous_a1 + 1e-9
+        assert per_request_k <= previous_k + 1e-9
+        previous_a1, previous_k = per_request_a1, per_request_k
+    assert previous_a1 < 7  # load did cut the budget
+
+
+def test_flat_uninitialised_table_verifies_everything():
+    survivals = random_survivals(8, 7, seed=1)
+    survivals[0] = 0.0  # even hopeless drafts: an uninitialised planner is plain verify-all
+    table = uninitialised_cost_model()
+    assert plan_algorithm1(survivals, table).tolist() == [7] * 8
+    assert capacity_from(survivals, table) == 56
+    assert fill_capacity(survivals, capacity_from(survivals, table)).tolist() == [7] * 8
+    assert plan_algorithm1(survivals, table, max_lens=3).tolist() == [3] * 8
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("cost", [affine(), affine(0.2, 0.01), convex()], ids=["affine", "steep", "convex"])
+def test_algorithm1_and_production_agree_when_confidences_do_not_change(seed, cost):
+    survivals = random_survivals(12, 7, seed)
+    ids = list(range(12))
+    planner = TwoStepCapacityPlanner(cost, gamma=7, lag=2, window=3)
+    for _ in range(6):  # steady state: every step sees the same confidences
+        decision = planner.decide(ids)
+        production = fill_capacity(survivals, decision.capacity, max_lens=decision.draft_width)
+        planner.publish(ids, survivals)
+    assert production.tolist() == plan_algorithm1(survivals, cost).tolist()
+
+
+def admitted_after_flip(plan, confidences: torch.Tensor, row: int, position: int, seed: int) -> tuple[bool, bool]:
+    """Whether draft `position` of `row` is admitted, before and after changing the value of that
+    draft token, which (through the Markov feature) changes every later confidence of the row."""
+    before = plan(survivals_from_confidences(confidences))
+    flipped = confidences.clone()
+    g = torch.Generator().manual_seed(seed)
+    flipped[row, position + 1 :] = torch.randn(confidences.shape[1] - position - 1, generator=g) * 3.0
+    after = plan(survivals_from_confidences(flipped))
+    return bool(before[row] > position), bool(after[row] > position)
+
+
+def planners_under_test():
+    cost = convex()
+    old = random_survivals(10, 7, seed=99)  # the production capacity comes from earlier steps
+    capacity = capacity_from(old, cost)
+    return {
+        "algorithm1": lambda s: plan_algorithm1(s, cost),
+        "algorithm1_min_max": lambda s: plan_algorithm1(s, cost, min_lens=1, max_lens=5),
+        "production_fill": lambda s: fill_capacity(s, capacity),
+        "production_fill_small_k": lambda s: fill_capacity(s, 7),
+    }
+
+
+@pytest.mark.parametrize("name", list(planners_under_test()))
+def test_admission_never_depends_on_the_admitted_token_itself(name):
+    plan = planners_under_test()[name]
+    checked = 0
+    for seed in range(6):
+        confidences = random_confidences(10, 7, seed)
+        for row in range(10):
+            for position in range(6):
+                for flip in range(3):
+                    before, after = admitted_after_flip(plan, confidences, row, position, 1000 * seed + flip)
+                    assert before == after, f"row {row} position {position}: admission changed"
+                    checked += before
+    assert checked > 50  # the property was exercised on admitted drafts, not only rejected ones
+
+
+def test_the_non_anticipation_check_catches_a_retrospective_global_search():
+    """Paper Appendix A: without early stop, admitting x1 depends on x1 through c2."""
+    sps = StepCostTable(batch_tokens=[1, 2, 3], steps_per_second=[1.0, 0.5, 0.45], metadata=META)
+    high = torch.tensor([[0.8, 0.8 * 0.9]])
+    low = torch.tensor([[0.8, 0.0]])
+
+    def retrospective(s):  # global argmax on the *current* survivals: what production must not do
+        return fill_capacity(s, capacity_from(s, sps))
+
+    assert retrospective(high).item() == 2 and retrospective(low).item() == 0  # x1's fate flips
+    assert plan_algorithm1(high, sps).item() == plan_algorithm1(low, sps).item() == 0  # early stop
+    confidences = torch.logit(torch.tensor([[0.8, 0.9]]))
+    found = False
+    for seed in range(20):
+        before, after = admitted_after_flip(retrospective, confidences, 0, 0, seed)
+        found |= before != after
+    assert found, "the flip test must be able to fail"
+
+
+def test_ties_go_to_the_earlier_position_then_the_lower_request():
+    survivals = torch.tensor([[0.9, 0.5, 0.5], [0.9, 0.5, 0.5], [0.5, 0.5, 0.5]])
+    assert fill_capacity(survivals, 3).tolist() == [1, 1, 1]  # 0.9, 0.9, then (req 2, pos 0)
+    assert fill_capacity(survivals, 4).tolist() == [2, 1, 1]  # then position 1 of request 0
+
+
+def test_expensive_drafting_under_load_turns_speculation_off_cheap_drafting_keeps_it():
+    survivals = torch.full((32, 7), 0.9).cumprod(dim=1)
+    cost = affine(0.05, 0.004)
+    off = decide_capacity(survivals, cost, draft_seconds=1.0)
+    assert (off.capacity, off.draft_width) == (0, 0)
+    on = decide_capacity(survivals, cost, draft_seconds=0.0001)
+    assert on.capacity > 0 and on.draft_width >= 1
+    # a drafter whose cost grows with the block width gets a short block
+    widths = [0.0] + [0.02 * w for w in range(1, 8)]
+    short = decide_capacity(survivals, affine(0.05, 0.0005), draft_seconds=widths)
+    assert 1 <= short.draft_width < 7 and short.capacity <= 32 * short.draft_width
+
+
+def test_two_step_planner_uses_old_survivals_and_a_prior_for_new_requests():
+    cost = affine()
+    confident = torch.full((4, 7), 0.99).cumprod(dim=1)
+    doubtful = torch.full((4, 7), 0.2).cumprod(dim=1)
+    planner = TwoStepCapacityPlanner(cost, gamma=7, lag=2, window=1)
+    ids = ["a", "b", "c", "d"]
+    assert planner.decide(ids).capacity == 28  # nothing known yet: optimistic prior
+    planner.publish(ids, confident)
+    planner.publish(ids, doubtful)
+    # the decision for the next step sees the step two back (confident), not the newest
+    assert planner.decide(ids).capacity == capacity_from(confident, cost)
+    planner.publish(ids, doubtful)
+    assert planner.decide(ids).capacity == capacity_from(doubtful, cost)
+    mixed = planner.lagged_survivals(["a", "new"])
+    assert torch.allclose(mixed[0, 0], doubtful[0])
+    assert torch.allclose(mixed[0, 1], planner.prior_survival())
+
+
+def test_skipped_drafting_is_explored_again_after_a_while():
+    cost = affine(0.05, 0.004)
+    planner = TwoStepCapacityPlanner(cost, gamma=7, explore_every=5)
+    ids = list(range(32))
+    planner.publish(ids, torch.full((32, 7), 0.3).cumprod(dim=1))
+    widths = [planner.decide(ids, draft_seconds=1.0).draft_width for _ in range(10)]
+    assert widths.count(0) == 8 and widths[4] > 0 and widths[9] > 0
+
+
+@pytest.mark.parametrize(
+    "survivals, kwargs, message",
+    [
+        (torch.tensor([[0.5, 0.9]]), {}, "non-increasing"),
+        (torch.tensor([[1.5, 0.9]]), {}, r"\[0, 1\]"),
+        (torch.tensor([0.5, 0.4]), {}, "batch"),
+        (torch.tensor([[0.5, 0.4]]), {"min_lens": 2, "max_lens": 1}, "min_lens <= max_lens"),
+        (torch.tensor([[0.5, 0.4]]), {"max_lens": torch.tensor([1, 1])}, "shape"),
+    ],
+)
+def test_bad_planner_input_is_a_clear_error(survivals, kwargs, message):
+    with pytest.raises(PlannerError, match=message):
+        plan_algorithm1(survivals, affine(), **kwargs)
