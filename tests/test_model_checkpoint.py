@@ -233,3 +233,34 @@ def test_reduced_vocab_without_d2t_is_rejected(tmp_path: Path) -> None:
     save_file(weights, str(tmp_path / "ckpt" / "model.safetensors"))
     with pytest.raises(CheckpointError, match="d2t"):
         load_drafter(tmp_path / "ckpt")
+
+
+def test_rope_settings_are_read_strictly(tmp_path: Path) -> None:
+    config = published_config()
+    del config["rope_parameters"]
+    config["rope_theta"] = 5000.0  # transformers-4 style top-level key
+    assert load_drafter(write_published(tmp_path / "top", config)).config.rope_theta == 5000.0
+    config = dict(published_config(), rope_theta=5000.0)
+    with pytest.raises(CheckpointError, match="rope_theta.*inconsistent"):
+        load_drafter(write_published(tmp_path / "both", config))
+    config = dict(published_config(), rope_parameters={"rope_theta": 1e4, "rope_type": "llama3"})
+    with pytest.raises(CheckpointError, match="rope_type='llama3'.*expected 'default'"):
+        load_drafter(write_published(tmp_path / "llama3", config))
+    config = published_config()
+    del config["rope_parameters"]
+    with pytest.raises(CheckpointError, match="rope_theta"):
+        load_drafter(write_published(tmp_path / "none", config))
+
+
+def test_drafter_for_a_target_copies_its_geometry_and_default_taps() -> None:
+    from sglang_dspark.model import DSparkDrafter, default_target_layer_ids
+
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(40, 5) == [1, 10, 19, 28, 37]
+    assert default_target_layer_ids(30, 1) == [15]
+    target = make_tiny_target(num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    drafter = DSparkDrafter.for_target(target, num_draft_layers=2, block_size=3, mask_token_id=5, markov_rank=4)
+    cfg = drafter.config
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (8, 4, 8)
+    assert cfg.num_target_layers == 8 and cfg.num_hidden_layers == 2 and drafter.target_layer_ids == (1, 5)
+    assert cfg.rope_theta == target.config.rope_parameters["rope_theta"]

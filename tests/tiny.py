@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from sglang_dspark.model import DSparkConfig, DSparkDrafter, save_drafter
+from sglang_dspark.model import DSparkDrafter, save_drafter
 
 TINY_VOCAB = 512
 TINY_MASK_TOKEN_ID = TINY_VOCAB - 1
@@ -64,20 +64,17 @@ def make_tiny_drafter(
     dtype: torch.dtype = torch.float32,
 ) -> DSparkDrafter:
     """A random DSpark drafter sharing `target`'s embedding and lm_head, deterministic by `seed`."""
-    config = DSparkConfig.from_target_config(
-        target.config, num_draft_layers=num_layers, block_size=gamma,
-        mask_token_id=TINY_MASK_TOKEN_ID, target_layer_ids=list(target_layer_ids),
-        markov_rank=markov_rank, markov_head_type=markov_head_type if markov_rank else None,
-        enable_confidence_head=confidence,
-        confidence_head_with_markov=confidence and confidence_with_markov and markov_rank > 0,
-        draft_vocab_size=draft_vocab_size,
-    )
     d2t = None
-    if draft_vocab_size is not None and draft_vocab_size < config.vocab_size:
+    if draft_vocab_size is not None and draft_vocab_size < target.config.vocab_size:
         d2t = tiny_d2t(draft_vocab_size, seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        drafter = DSparkDrafter(config, target=target, d2t=d2t, dtype=dtype)
+        drafter = DSparkDrafter.for_target(
+            target, num_draft_layers=num_layers, block_size=gamma, mask_token_id=TINY_MASK_TOKEN_ID,
+            target_layer_ids=list(target_layer_ids), markov_rank=markov_rank,
+            markov_head_type=markov_head_type, enable_confidence_head=confidence,
+            confidence_head_with_markov=confidence_with_markov and markov_rank > 0, d2t=d2t, dtype=dtype,
+        )
     return drafter.eval()
 
 

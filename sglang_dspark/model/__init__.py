@@ -2,7 +2,7 @@
 
 from sglang_dspark.model.cache import DraftContextCache
 from sglang_dspark.model.checkpoint import load_drafter, save_drafter
-from sglang_dspark.model.config import DSparkConfig
+from sglang_dspark.model.config import DSparkConfig, default_target_layer_ids
 from sglang_dspark.model.drafter import DSparkDrafter, TargetWeights, target_weights_of
 from sglang_dspark.model.errors import CheckpointError
 from sglang_dspark.model.taps import taps_from_hidden_states
@@ -13,6 +13,7 @@ __all__ = [
     "DSparkDrafter",
     "DraftContextCache",
     "TargetWeights",
+    "default_target_layer_ids",
     "load_drafter",
     "save_drafter",
     "target_weights_of",

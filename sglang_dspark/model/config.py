@@ -218,6 +218,25 @@ class DSparkConfig:
         return out
 
 
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash/DeepSpec's default taps: `num_draft_layers` ids evenly spaced from 1 to L-3.
+
+    One draft layer taps L // 2 (fewer ids come back when the range is too short to hold
+    distinct ones). For L=36, 5 layers this gives [1, 9, 17, 25, 33]; for L=40,
+    [1, 10, 19, 28, 37] (the published Qwen3 configs).
+    """
+    if num_target_layers < 4 or num_draft_layers < 1:
+        raise ValueError(
+            f"num_target_layers={num_target_layers}, num_draft_layers={num_draft_layers}: "
+            "expected at least 4 target layers and 1 draft layer"
+        )
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    last = num_target_layers - 3
+    step = (last - 1) / (num_draft_layers - 1)
+    return sorted({round(1 + i * step) for i in range(num_draft_layers)})
+
+
 class _KeyReader:
     """Reads required keys (top level, or nested under `dflash_config`) with typed checks."""
 

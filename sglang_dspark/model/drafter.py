@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from sglang_dspark.model.cache import DraftContextCache
-from sglang_dspark.model.config import DSparkConfig
+from sglang_dspark.model.config import DSparkConfig, default_target_layer_ids
 from sglang_dspark.model.errors import CheckpointError
 from sglang_dspark.model.heads import ConfidenceHead, MarkovHead
 from sglang_dspark.model.layers import DrafterLayer, RMSNorm, Rotary
@@ -97,6 +97,41 @@ class DSparkDrafter(nn.Module):
             )
         if target is not None:
             self.attach_target(target)
+
+    @classmethod
+    def for_target(
+        cls,
+        target: object,
+        *,
+        num_draft_layers: int,
+        block_size: int,
+        mask_token_id: int,
+        target_layer_ids: list[int] | None = None,
+        markov_rank: int = 256,
+        markov_head_type: str | None = "vanilla",
+        enable_confidence_head: bool = True,
+        confidence_head_with_markov: bool = True,
+        d2t: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> "DSparkDrafter":
+        """A freshly initialised drafter for a transformers `target` (DeepSpec defaults).
+
+        The config copies the target's; `target_layer_ids` defaults to DFlash's evenly spaced
+        rule; `d2t` (sorted target ids) selects a reduced draft vocabulary.
+        """
+        target_config = target.config
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(target_config.num_hidden_layers, num_draft_layers)
+        config = DSparkConfig.from_target_config(
+            target_config, num_draft_layers=num_draft_layers, block_size=block_size,
+            mask_token_id=mask_token_id, target_layer_ids=target_layer_ids, markov_rank=markov_rank,
+            markov_head_type=markov_head_type if markov_rank else None,
+            enable_confidence_head=enable_confidence_head,
+            confidence_head_with_markov=enable_confidence_head and confidence_head_with_markov,
+            draft_vocab_size=None if d2t is None else len(d2t),
+        )
+        return cls(config, target=target, d2t=d2t, dtype=dtype, device=device)
 
     # ------------------------------------------------------------------ setup
 
