@@ -148,6 +148,7 @@ def sim(
     policies: str = typer.Option(",".join(POLICY_STYLE), help="Comma-separated policies."),
     seed: int = typer.Option(0, help="Seed for traces and requests."),
     requests_per_slot: float = typer.Option(3.0, help="Finished requests per slot before stopping."),
+    min_requests: int = typer.Option(48, help="Finished requests before stopping, at least."),
     json_output: bool = typer.Option(False, "--json", help="Print the JSON report."),
     plot: Optional[Path] = typer.Option(None, help="Write the Pareto plot (PNG) here."),
     out: Optional[Path] = typer.Option(None, help="Also write the JSON report to this file."),
@@ -183,7 +184,8 @@ def sim(
             raise typer.BadParameter(f"--traces: {error}") from error
 
     gamma = source().gamma
-    settings = SimSettings(gamma=gamma, seed=seed, requests_per_slot=requests_per_slot)
+    settings = SimSettings(gamma=gamma, seed=seed, requests_per_slot=requests_per_slot,
+                           min_requests=min_requests)
     results = [simulate(p, c, target, drafter, source(), settings) for c in levels for p in chosen]
     matched = matched_throughput(results)
     report: dict[str, Any] = {

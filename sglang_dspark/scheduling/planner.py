@@ -92,6 +92,7 @@ class _Path:
     """The greedy admission path: forced drafts first, then candidates by survival."""
 
     rows: torch.Tensor  # [n] request of each candidate, in admission order
+    order: torch.Tensor  # [n] its index in the position-major flattening (position * B + row)
     values: torch.Tensor  # [n] its survival
     forced: torch.Tensor  # [B] drafts admitted regardless (min_lens)
     forced_survival: float
@@ -109,6 +110,7 @@ def _admission_path(
     count = int(allowed.sum())
     return _Path(
         rows=order[:count] % batch,
+        order=order[:count],
         values=values[:count].to(torch.float64),
         forced=low,
         forced_survival=float(survivals[forced_mask].sum()),
@@ -213,50 +215,48 @@ def decide_capacity(
     tables have local maxima).
 
     survivals: [B, gamma] or [m, B, gamma], earlier steps' survivals aligned to the current
-    requests; with m snapshots the expected top-K sum is their average (a steadier estimate of
-    this step's than any single old step). Only old information enters, so whatever this step's
+    requests; m snapshots are averaged per request (a steadier estimate of this step's survivals
+    than any single old step). Only old information enters, so whatever this step's
     tokens are, K and the width are already fixed: the pair with `fill_capacity` is
     non-anticipating. draft_seconds: per-step drafter time, charged only when drafting (a scalar),
     or per width w = 0..gamma (a drafter that can run a shorter block). require_draft: exclude
     width 0 (the planner's periodic exploration)."""
-    snapshots = survivals if survivals.dim() == 3 else survivals[None]
-    if snapshots.dim() != 3 or snapshots.shape[0] < 1:
-        raise PlannerError(
-            f"survivals must be [B, gamma] or [m, B, gamma], got {tuple(survivals.shape)}"
-        )
-    m, batch, gamma = snapshots.shape
-    low, high = _check_inputs(snapshots.reshape(m * batch, gamma), None, None)
-    low, high = _check_inputs(snapshots[0], min_lens, max_lens)
+    if survivals.dim() == 3 and survivals.shape[0] >= 1:
+        survivals = survivals.mean(dim=0)  # each request's mean survival curve over the steps
+    low, high = _check_inputs(survivals, min_lens, max_lens)
+    batch, gamma = survivals.shape
     if _is_flat(cost_model):
-        total = int(high.sum())
-        return CapacityDecision(total, gamma, float("nan"), float("nan"))
+        return CapacityDecision(int(high.sum()), gamma, float("nan"), float("nan"))
     costs = _draft_costs(draft_seconds, gamma)
-    position = torch.arange(gamma)
-    forced = position[None, :] < low[:, None]
-    allowed = (position[None, :] < high[:, None]) & ~forced
+    path = _admission_path(survivals, low, high, survival_eps)
+    # one admission path; a width w keeps the candidates at positions < w, in the same order
+    positions = (path.order // batch)[None, :]
     widths = torch.arange(gamma + 1)
-    # [w, B, gamma]: slots the drafter produces at width w that the fill may use
-    usable = allowed[None] & (position[None, None, :] < widths[:, None, None])
-    values = torch.where(snapshots > survival_eps, snapshots, torch.zeros_like(snapshots)).double()
-    masked = torch.where(usable[None], values[:, None], torch.full_like(values[:, None], -1.0))
-    ranked, _ = torch.sort(masked.reshape(m, gamma + 1, batch * gamma), dim=-1, descending=True)
-    gains = torch.cumsum(ranked.clamp(min=0.0), dim=-1).mean(dim=0)  # [w, n]
+    kept = positions < widths[:, None]  # [w, n]
+    count = torch.cumsum(kept, dim=1)
+    gain = torch.cumsum(kept * path.values[None, :], dim=1)
     forced_count = int(low.sum())
-    base_tau = batch + float((values * forced[None]).sum()) / m
-    tau = torch.cat([torch.zeros(gamma + 1, 1, dtype=torch.float64), gains], dim=1) + base_tau
-    count = torch.arange(batch * gamma + 1, dtype=torch.float64)
-    target_seconds = cost_model.step_seconds(batch, batch + forced_count + count, context_tokens)
-    seconds = target_seconds[None, :] + fixed_seconds + costs[:, None]
-    feasible = count[None, :] <= usable.sum(dim=(1, 2))[:, None]
-    feasible &= widths[:, None] >= max(int(low.max()), 1 if require_draft else 0)
-    theta = torch.where(feasible, tau / seconds, torch.full_like(seconds, -1.0))
-    best = int(torch.argmax(theta.reshape(-1)))
-    width, extra = divmod(best, batch * gamma + 1)
+    base_tau = batch + path.forced_survival
+    tokens = batch + forced_count + torch.arange(path.values.numel() + 1, dtype=torch.float64)
+    target_seconds = cost_model.step_seconds(batch, tokens, context_tokens) + fixed_seconds
+    seconds = target_seconds[count] + costs[:, None]
+    theta = torch.where(kept, (base_tau + gain) / seconds, torch.full_like(seconds, -1.0))
+    start_seconds = target_seconds[0] + costs  # [w]: admit nothing beyond the forced drafts
+    start_theta = base_tau / start_seconds
+    min_width = max(int(low.max()), 1 if require_draft else 0)
+    usable = widths >= min_width
+    theta = torch.where(usable[:, None], theta, torch.full_like(theta, -1.0))
+    start_theta = torch.where(usable, start_theta, torch.full_like(start_theta, -1.0))
+    full = torch.cat([start_theta[:, None], theta], dim=1)  # [w, 1 + n]
+    best = int(torch.argmax(full.reshape(-1)))
+    width, index = divmod(best, full.shape[1])
+    admitted = 0 if index == 0 else int(count[width, index - 1])
+    step_seconds = float(start_seconds[width]) if index == 0 else float(seconds[width, index - 1])
     return CapacityDecision(
-        capacity=forced_count + extra,
+        capacity=forced_count + admitted,
         draft_width=width,
-        expected_tokens=float(tau[width, extra]),
-        step_seconds=float(seconds[width, extra]),
+        expected_tokens=float(full[width, index]) * step_seconds,
+        step_seconds=step_seconds,
     )
 
 
@@ -303,6 +303,7 @@ def fill_capacity(
 
 @dataclass
 class _Snapshot:
+    ids: tuple[Hashable, ...]
     index: dict[Hashable, int]
     survivals: torch.Tensor
 
@@ -370,8 +371,9 @@ class TwoStepCapacityPlanner:
         decay = self.prior_decay
         self._prior_conditional[:width] = (1 - decay) * self._prior_conditional[:width] + decay * conditional
         tail = known[:, -1:] * torch.cumprod(self._prior_conditional[width:], 0)[None, :]
-        index = {rid: i for i, rid in enumerate(request_ids)}
-        self._history.append(_Snapshot(index, torch.cat([known, tail], dim=1)))
+        ids = tuple(request_ids)
+        index = {rid: i for i, rid in enumerate(ids)}
+        self._history.append(_Snapshot(ids, index, torch.cat([known, tail], dim=1)))
 
     def lagged_survivals(self, request_ids: Sequence[Hashable]) -> torch.Tensor | None:
         """[m, B, gamma]: the snapshots at least `lag` steps old (the newest ones while fewer
@@ -381,7 +383,11 @@ class TwoStepCapacityPlanner:
         usable = max(1, len(self._history) - self.lag + 1)
         prior = self.prior_survival()
         aligned = []
+        ids = tuple(request_ids)
         for snapshot in list(self._history)[:usable]:
+            if snapshot.ids == ids:  # the common case: same batch as then
+                aligned.append(snapshot.survivals)
+                continue
             rows = [snapshot.index.get(rid) for rid in request_ids]
             known = torch.tensor([r is not None for r in rows])
             gathered = snapshot.survivals[torch.tensor([r if r is not None else 0 for r in rows])]
