@@ -62,8 +62,12 @@ def build_tokenizer(folder: Path, vocab_size: int = 1024) -> int:
 def build_tiny_target(folder: Path, seed: int = 0, init_std: float = 0.08) -> Path:
     """Write a random tiny Llama with its tokenizer to `folder` (idempotent).
 
-    `init_std` is larger than the usual 0.02 so logits are well separated: greedy decoding of a
-    random model must not hinge on float rounding differences between a decode and a verify pass.
+    Shaped so that server tests are meaningful and robust:
+    * a large token embedding and damped attention/MLP outputs make the next token mostly a
+      function of the current one (a drafter with a bigram table then accepts about 60 % of
+      drafts: both accepted runs and rejections happen), while context still matters;
+    * a scaled-up lm_head keeps top-2 logit gaps far above float rounding, so greedy decoding
+      does not hinge on summation-order differences between a decode and a verify forward.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -77,8 +81,63 @@ def build_tiny_target(folder: Path, seed: int = 0, init_std: float = 0.08) -> Pa
     config = LlamaConfig(vocab_size=vocab_size, initializer_range=init_std, tie_word_embeddings=False,
                          bos_token_id=0, eos_token_id=0, pad_token_id=0, torch_dtype="float32", **TINY_TARGET)
     model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(30.0)
+        model.lm_head.weight.mul_(5.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.3)
+            layer.mlp.down_proj.weight.mul_(0.3)
     model.save_pretrained(folder, safe_serialization=True)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "bos_token_id": 0}))
+    return folder
+
+
+BIGRAM_BIAS = 100.0
+MASK_TOKEN = "<|MASK|>"
+
+
+def _successor_table(model, vocab_size: int):
+    """The target's greedy next token after each single token (its bigram map)."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.arange(vocab_size).unsqueeze(1)).logits[:, -1].argmax(-1)
+
+
+def build_tiny_drafter(target_folder: Path, folder: Path, block_size: int = 4,
+                       target_layer_ids: tuple[int, ...] = (1, 2)) -> Path:
+    """A DSpark drafter for the tiny target whose Markov head encodes the target's greedy bigrams.
+
+    Random backbone weights would accept almost nothing, leaving the commit-of-accepted-drafts
+    path untested; the target's own single-token successor table makes drafts right often enough that server tests see multi-token accepted runs (and wrong often enough
+    to exercise rejection). Written with `save_drafter` in the DeepSpec layout, token weights
+    omitted: the server shares the target's embedding and lm_head.
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from sglang_dspark.model import DSparkConfig, DSparkDrafter, save_drafter
+
+    folder = Path(folder)
+    if (folder / "config.json").exists():
+        return folder
+    target = LlamaForCausalLM.from_pretrained(target_folder, dtype=torch.float32).eval()
+    vocab = target.config.vocab_size
+    mask_id = json.loads((Path(target_folder) / "tokenizer.json").read_text())["model"]["vocab"][MASK_TOKEN]
+    config = DSparkConfig.from_target_config(
+        target.config, num_draft_layers=1, block_size=block_size, mask_token_id=mask_id,
+        target_layer_ids=list(target_layer_ids), markov_rank=vocab, markov_head_type="vanilla",
+        enable_confidence_head=True, confidence_head_with_markov=True,
+    )
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(config, target=target).eval()
+    successor = _successor_table(target, vocab)
+    with torch.no_grad():
+        drafter.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
+        w2 = torch.zeros(vocab, vocab)
+        w2[successor, torch.arange(vocab)] = BIGRAM_BIAS
+        drafter.markov_head.markov_w2.weight.copy_(w2)
+    save_drafter(drafter, folder, include_token_weights=False)
     return folder
 
 
@@ -105,22 +164,26 @@ class ServerHandle:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
 
-def launch_server(model_path: Path, port: int, log_path: Path, extra_args: list[str] | None = None,
-                  env: dict[str, str] | None = None, timeout_s: float = 300.0) -> ServerHandle:
-    """Start SGLang on CPU in its own process group and wait until /health answers 200."""
+def start_server(model_path: Path, port: int, log_path: Path, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> ServerHandle:
+    """Start SGLang on CPU in its own process group (returns at once; see `wait_healthy`)."""
     args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
             "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
             "--max-total-tokens", "16384", "--max-running-requests", "16", "--sleep-on-idle",
-            "--mem-fraction-static", "0.05", *(extra_args or [])]
+            *(extra_args or [])]
     full_env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **(env or {})}
-    log_file = open(log_path, "w")
-    process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=full_env,
-                               start_new_session=True)
-    handle = ServerHandle(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path, args=args)
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=full_env,
+                                   start_new_session=True)
+    return ServerHandle(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path, args=args)
+
+
+def wait_healthy(handle: ServerHandle, timeout_s: float = 420.0) -> ServerHandle:
+    """Poll /health until 200; on exit or timeout stop the server and raise with its log tail."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"SGLang server exited with {process.returncode}:\n{handle.log_tail()}")
+        if handle.process.poll() is not None:
+            raise RuntimeError(f"SGLang server exited with {handle.process.returncode}:\n{handle.log_tail()}")
         try:
             if httpx.get(f"{handle.url}/health", timeout=5).status_code == 200:
                 return handle
@@ -131,5 +194,21 @@ def launch_server(model_path: Path, port: int, log_path: Path, extra_args: list[
     raise TimeoutError(f"SGLang server not healthy after {timeout_s:.0f}s:\n{handle.log_tail()}")
 
 
+def launch_servers(model_path: Path, specs: list[tuple[str, int, list[str]]], log_dir: Path,
+                   env: dict[str, str] | None = None) -> dict[str, ServerHandle]:
+    """Start several servers at once (their start-ups overlap) and wait until all are healthy."""
+    handles = {name: start_server(model_path, port, Path(log_dir) / f"{name}.log", extra, env)
+               for name, port, extra in specs}
+    try:
+        for handle in handles.values():
+            wait_healthy(handle)
+    except Exception:
+        for handle in handles.values():
+            handle.stop()
+        raise
+    return handles
+
+
 if __name__ == "__main__":
-    print(build_tiny_target(Path(sys.argv[1])))
+    target_dir = build_tiny_target(Path(sys.argv[1]))
+    print(target_dir, build_tiny_drafter(target_dir, Path(sys.argv[2])) if len(sys.argv) > 2 else "")

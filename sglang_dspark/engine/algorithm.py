@@ -37,8 +37,13 @@ class DSparkLiveAlgorithm(CustomSpecAlgo):
         return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
 
     def handle_server_args(self, server_args) -> None:
-        """Fix the step shape: one linear chain (topk 1, one draft step) of gamma drafts + the bonus."""
+        """Fix the step shape: one linear chain (topk 1, one draft step) of gamma drafts + the bonus.
+
+        The radix cache is disabled: a prefix served from it has KV but no taps, and the drafter
+        context needs the taps of every committed position.
+        """
         settings = _settings_or_error(server_args)
+        server_args.disable_radix_cache = True
         server_args.speculative_num_steps = 1
         server_args.speculative_eagle_topk = 1
         server_args.speculative_num_draft_tokens = settings.verify_window

@@ -11,6 +11,7 @@ process, with a clear error for a bad value:
 | `DSPARK_STS_PATH` | `<draft>/sts.json` if present | STS temperatures JSON (`calibration.StsCalibration`) |
 | `DSPARK_RECORDS` | 2048 | per-step records kept in memory (bounded ring) |
 | `DSPARK_SEED` | 0 | seed of the drafter's and verifier's sampling generator |
+| `DSPARK_STEP_LOG` | unset | also append every step record as a JSON line to this file (benchmarks) |
 | `DSPARK_VERIFY_ATTENTION` | `linear` | CPU verify attention: `linear` (SDPA over the request's KV, q_len = window) or `native` (SGLang torch_native extend, re-attends the prefix) |
 """
 
@@ -41,6 +42,7 @@ class LiveSettings:
     max_records: int
     seed: int
     verify_attention: str
+    step_log: Path | None = None
 
     @property
     def verify_window(self) -> int:
@@ -120,4 +122,5 @@ def load_settings(draft_path: str | Path) -> LiveSettings:
         max_records=_int_env("DSPARK_RECORDS", 2048, 1),
         seed=_int_env("DSPARK_SEED", 0, 0),
         verify_attention=verify_attention,
+        step_log=Path(os.environ["DSPARK_STEP_LOG"]) if os.environ.get("DSPARK_STEP_LOG") else None,
     )

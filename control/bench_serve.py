@@ -1,0 +1,185 @@
+"""`dspark-ctl bench serve`: plain serving vs DSPARK_LIVE on the same SGLang build and prompts.
+
+For each arm (no speculation, DSPARK_LIVE) one server is started; for each concurrency c, c
+chat-templated prompts (math, code and chat, held-out eval split) are sent at once, `repeats`
+times. Reported per cell (medians over repeats): aggregate output tokens/s, per-user tokens/s,
+tau (committed tokens per verify step, bonus included) and verify tokens per request-step.
+`--verify-cost` also measures the DSPARK_LIVE verify step at two context lengths from the
+worker's step log. Prints JSON; `--plot` writes a PNG of throughput against concurrency.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import typer
+
+from dspark_ctl.serve import ServerLaunch, find_shipped_drafter, prepared_target_path, start, stop, wait_healthy
+
+DOMAINS = ("math", "code", "chat")
+
+
+def eval_prompts(per_domain: int) -> dict[str, list[str]]:
+    """Held-out prompts (the eval split the drafter never trained on)."""
+    from sglang_dspark.training.data import build_splits
+
+    splits, _ = build_splits(seed=0)
+    return {domain: splits["eval"][domain][:per_domain] for domain in DOMAINS}
+
+
+def chat_texts(model_path: str, prompts: list[str]) -> list[str]:
+    """Apply the target's chat template on the client, so /generate returns spec metadata."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                          add_generation_prompt=True) for p in prompts]
+
+
+def _generate(url: str, text: str, max_new_tokens: int) -> dict:
+    import httpx
+
+    started = time.perf_counter()
+    response = httpx.post(f"{url}/generate", timeout=1800, json={
+        "text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}})
+    response.raise_for_status()
+    meta = response.json()["meta_info"]
+    return {"tokens": meta["completion_tokens"], "seconds": time.perf_counter() - started,
+            "verify_steps": meta.get("spec_verify_ct"), "cap_length": meta.get("spec_cap_length")}
+
+
+def run_wave(url: str, texts: list[str], max_new_tokens: int) -> dict:
+    """All `texts` at once; aggregate and per-user throughput, tau and verify width of the wave."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(texts)) as pool:
+        results = list(pool.map(lambda t: _generate(url, t, max_new_tokens), texts))
+    wall = time.perf_counter() - started
+    tokens = sum(r["tokens"] for r in results)
+    wave = {"aggregate_tok_s": tokens / wall, "per_user_tok_s": statistics.mean(r["tokens"] / r["seconds"] for r in results)}
+    steps = sum(r["verify_steps"] or 0 for r in results)
+    if steps:
+        wave["tau"] = tokens / steps
+        wave["verify_tokens_per_step"] = sum((r["cap_length"] or 0) * (r["verify_steps"] or 0) for r in results) / steps
+    return wave
+
+
+def _median_cells(waves: list[dict]) -> dict:
+    return {key: statistics.median(w[key] for w in waves) for key in waves[0]} | {"repeats": len(waves)}
+
+
+def bench_arm(launch: ServerLaunch, prompts: list[str], concurrency: list[int], repeats: int,
+              max_new_tokens: int, log_dir: Path) -> dict:
+    process = start(launch, log_dir / f"{'dspark' if launch.drafter_path else 'plain'}.log")
+    try:
+        wait_healthy(launch, process, log_dir / f"{'dspark' if launch.drafter_path else 'plain'}.log")
+        run_wave(launch.url, prompts[:1], 8)
+        cells = {}
+        for c in concurrency:
+            waves = []
+            for r in range(repeats):
+                texts = [prompts[(r * c + i) % len(prompts)] for i in range(c)]
+                waves.append(run_wave(launch.url, texts, max_new_tokens))
+            cells[str(c)] = _median_cells(waves)
+        return cells
+    finally:
+        stop(process)
+
+
+def verify_cost(launch: ServerLaunch, model_path: str, contexts: list[int], log_dir: Path) -> dict:
+    """Median verify-forward seconds of DSPARK_LIVE at each context length (batch 1)."""
+    from transformers import AutoTokenizer
+
+    step_log = log_dir / "steps.jsonl"
+    launch.extra_env["DSPARK_STEP_LOG"] = str(step_log)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    filler = " ".join(f"item {i} is {i * 7 % 13}." for i in range(4000))
+    filler_ids = tokenizer(filler)["input_ids"]
+    process = start(launch, log_dir / "verify-cost.log")
+    try:
+        wait_healthy(launch, process, log_dir / "verify-cost.log")
+        result = {}
+        for context in contexts:
+            step_log.unlink(missing_ok=True)
+            text = tokenizer.decode(filler_ids[:context])
+            _generate(launch.url, text, 64)
+            steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+            seconds = [s["verify_seconds"] for s in steps if s["batch_size"] == 1][5:]
+            result[str(context)] = {"verify_seconds_median": statistics.median(seconds), "steps": len(seconds),
+                                    "verify_tokens_median": statistics.median(s["verify_tokens"] for s in steps)}
+        low, high = (result[str(c)]["verify_seconds_median"] for c in (min(contexts), max(contexts)))
+        result["ratio_long_to_short"] = high / low
+        return result
+    finally:
+        stop(process)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm, cells in report["arms"].items():
+        xs = [int(c) for c in cells]
+        ax.plot(xs, [cells[c]["aggregate_tok_s"] for c in cells], marker="o", label=arm)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens/s (aggregate)")
+    ax.set_xscale("log", base=2)
+    ax.set_title(f"SGLang on {report['config']['device']}, {report['config']['dtype']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def bench_serve_command(
+    model_path: str = typer.Option(None, "--model-path", help="Target folder (default: the prepared SmolLM2)."),
+    drafter: str = typer.Option(None, "--drafter", help="Drafter folder (default: the shipped one)."),
+    concurrency: str = typer.Option("1,4,16", help="Comma-separated concurrency levels."),
+    repeats: int = typer.Option(3, min=1, help="Waves per cell (the median is reported)."),
+    max_new_tokens: int = typer.Option(128, min=1, help="Output tokens per request."),
+    prompts_per_domain: int = typer.Option(6, min=1, help="Eval prompts taken from each domain."),
+    dtype: str = typer.Option("bfloat16", help="Same dtype for both arms."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    port: int = typer.Option(30100, help="Port of the server under test."),
+    arms: str = typer.Option("plain,dspark", help="Which arms to run."),
+    verify_cost_contexts: str = typer.Option("", "--verify-cost", help="e.g. 200,2000: also time the verify step."),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="Print the report as JSON."),
+    plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of throughput vs concurrency."),
+) -> None:
+    """Plain serving vs DSPARK_LIVE: tokens/s, per-user tokens/s, tau, verify tokens per step."""
+    target = model_path or prepared_target_path()
+    drafter_path = drafter or (str(find_shipped_drafter(target)) if find_shipped_drafter(target) else None)
+    wanted = [a.strip() for a in arms.split(",") if a.strip()]
+    if any(a not in ("plain", "dspark") for a in wanted):
+        raise typer.BadParameter(f"--arms {arms!r}: expected a comma list of plain, dspark")
+    if ("dspark" in wanted or verify_cost_contexts) and drafter_path is None:
+        typer.echo("error: no drafter given and none shipped; pass --drafter PATH or --arms plain", err=True)
+        raise typer.Exit(code=2)
+    levels = [int(c) for c in concurrency.split(",")]
+    by_domain = eval_prompts(prompts_per_domain)
+    interleaved = [p for group in zip(*by_domain.values()) for p in group]
+    texts = chat_texts(target, interleaved)
+    log_dir = Path(tempfile.mkdtemp(prefix="dspark-bench-serve-"))
+    report = {"config": {"model_path": target, "drafter": drafter_path, "dtype": dtype, "device": device,
+                         "max_new_tokens": max_new_tokens, "repeats": repeats, "prompts": len(texts),
+                         "logs": str(log_dir)}, "arms": {}}
+    for arm in wanted:
+        launch = ServerLaunch(model_path=target, port=port, device=device, dtype=dtype,
+                              drafter_path=drafter_path if arm == "dspark" else None)
+        report["arms"][arm] = bench_arm(launch, texts, levels, repeats, max_new_tokens, log_dir)
+    if {"plain", "dspark"} <= set(report["arms"]):
+        report["speedup"] = {c: report["arms"]["dspark"][c]["aggregate_tok_s"] / report["arms"]["plain"][c]["aggregate_tok_s"]
+                             for c in report["arms"]["plain"]}
+    if verify_cost_contexts:
+        launch = ServerLaunch(model_path=target, port=port, device=device, dtype=dtype, drafter_path=drafter_path)
+        report["verify_cost"] = verify_cost(launch, target, [int(c) for c in verify_cost_contexts.split(",")], log_dir)
+    if plot_path is not None:
+        plot(report, plot_path)
+        report["plot"] = str(plot_path)
+    typer.echo(json.dumps(report, indent=2) if as_json else report)

@@ -1,0 +1,88 @@
+"""Verify attention for SGLang's `torch_native` backend whose cost grows linearly with context.
+
+The stock `TorchNativeAttnBackend.forward_extend` pads every request's queries to its whole KV
+length and runs causal SDPA over it, so a verify of w tokens after L context tokens costs
+O(L^2). A verify only needs the w new queries against the L + w keys: SDPA with q_len = w and an
+offset causal mask (query t sees keys 0..L+t), i.e. O(w * L), the same order as w decode steps'
+attention. `install(backend)` wraps the backend instance; every non-verify forward goes to the
+original method unchanged.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+VERIFY_SPANS_ATTR = "dspark_verify_spans"
+"""ForwardBatch attribute the worker sets: per request (prefix_len, window_len) as host ints."""
+
+
+def verify_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: list[int],
+    spans: list[tuple[int, int]],
+    scaling: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """Attention of each request's window queries over its prefix + window keys.
+
+    query: `[sum(w), heads, head_dim]` packed in request order; returns the same shape.
+    spans[i] = (prefix_len, window_len): the window's KV is already written at positions
+    `prefix_len .. prefix_len + window_len - 1` of the request's `req_to_token` row.
+    """
+    output = torch.empty_like(query)
+    start = 0
+    for pool_index, (prefix_len, window_len) in zip(req_pool_indices, spans):
+        total = prefix_len + window_len
+        end = start + window_len
+        token_slots = req_to_token[pool_index, :total]
+        keys = k_cache[token_slots].movedim(0, 1).to(query.dtype)
+        values = v_cache[token_slots].movedim(0, 1).to(query.dtype)
+        queries = query[start:end].movedim(0, 1)
+        key_pos = torch.arange(total, device=query.device)
+        query_pos = torch.arange(prefix_len, total, device=query.device)
+        mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+        attended = scaled_dot_product_attention(
+            queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=mask, scale=scaling, enable_gqa=enable_gqa,
+        )
+        output[start:end] = attended.squeeze(0).movedim(1, 0)
+        start = end
+    return output
+
+
+def install(backend) -> None:
+    """Route TARGET_VERIFY forwards of `backend` (a TorchNativeAttnBackend) through `verify_attention`."""
+    if getattr(backend, "_dspark_linear_verify", False):
+        return
+    original_forward_extend = backend.forward_extend
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        spans = getattr(forward_batch, VERIFY_SPANS_ATTR, None)
+        plain_layer = not layer.is_cross_attention and layer.qk_head_dim == layer.v_head_dim and (
+            layer.sliding_window_size is None or layer.sliding_window_size < 0)
+        if spans is None or not forward_batch.forward_mode.is_target_verify() or not plain_layer:
+            return original_forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        if save_kv_cache and k is not None and v is not None:
+            from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+        out = verify_attention(
+            q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices.tolist(),
+            spans,
+            layer.scaling,
+            layer.tp_q_head_num != layer.tp_k_head_num,
+        )
+        return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+
+    backend.forward_extend = types.MethodType(forward_extend, backend)
+    backend._dspark_linear_verify = True

@@ -1,0 +1,335 @@
+"""`DSparkLiveWorker`: DSpark speculative decoding inside SGLang's scheduler (V2 result schema).
+
+One decode step, for the whole batch:
+1. draft: the drafter reads each request's cached target context (its slot is SGLang's
+   `req_pool_index`) and walks a block of gamma drafts from the bonus token;
+2. plan: how many drafts of each request to verify (`engine.planning`);
+3. verify: ONE target forward over every request's `[bonus, admitted drafts]` (ragged), run as
+   `TARGET_VERIFY` so the logits processor keeps every row, and capturing the tapped layers;
+4. accept: greedy rows by argmax match, sampled rows by rejection sampling (`decoding.verify`);
+5. commit: the accepted tokens' taps extend the drafter context, KV of rejected drafts stays in
+   the request's reserved slots and is overwritten by the next window;
+6. `on_publish(new_seq_lens)` exactly once, then the V2 result with `next_draft_input`.
+
+The scheduler owns request state, KV allocation and finishing (EOS, stop strings,
+max_new_tokens): the worker never mutates a request; the result processor truncates an accepted
+run where a request finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
+
+from sglang_dspark.decoding import SamplingParams, sample_block, verify
+from sglang_dspark.engine import verify_attention
+from sglang_dspark.engine.planning import VerifyPlanner
+from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
+from sglang_dspark.engine.settings import load_settings
+from sglang_dspark.model import DraftContextCache, TargetWeights, load_drafter
+
+logger = logging.getLogger(__name__)
+
+TOP_K_OFF_THRESHOLD = 1 << 20
+"""SGLang encodes "no top-k" as a huge k; anything at or above this means off."""
+
+_ACTIVE_WORKER: "DSparkLiveWorker | None" = None
+
+
+def active_worker() -> "DSparkLiveWorker | None":
+    """The worker of this scheduler process (for the control plane), or None before it exists."""
+    return _ACTIVE_WORKER
+
+
+def sampling_params_of(batch: ScheduleBatch) -> SamplingParams:
+    """Per-request temperature/top-p/top-k from SGLang's batch (its greedy is top_k == 1)."""
+    info = batch.sampling_info
+    top_k = info.top_ks.to(torch.long).reshape(-1).cpu()
+    greedy = top_k <= 1
+    temperature = info.temperatures.reshape(-1).float().cpu()
+    return SamplingParams(
+        temperature=torch.where(greedy, torch.zeros_like(temperature), temperature),
+        top_p=info.top_ps.reshape(-1).float().cpu().clamp(min=1e-6, max=1.0),
+        top_k=torch.where(greedy | (top_k >= TOP_K_OFF_THRESHOLD), torch.zeros_like(top_k), top_k),
+    )
+
+
+class DSparkLiveWorker(BaseSpecWorker):
+    """The speculative worker SGLang's scheduler builds for `--speculative-algorithm DSPARK_LIVE`."""
+
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
+        super().__init__()
+        global _ACTIVE_WORKER
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self._draft_worker = None
+        self.model_runner = target_worker.model_runner
+        self.device = self.model_runner.device
+        self.settings = load_settings(server_args.speculative_draft_model_path)
+        self.gamma = self.settings.gamma
+        self.stride = self.settings.verify_window
+        self.speculative_num_draft_tokens = self.stride
+        self.enable_overlap = not server_args.disable_overlap_schedule
+        self.drafter = self._load_drafter()
+        self.model_runner.model.set_dflash_layers_to_capture(list(self.drafter.target_layer_ids))
+        self.planner = VerifyPlanner(self.settings)
+        self.recorder = StepRecorder(self.settings.max_records, self.settings.step_log)
+        self.generator = torch.Generator(device=self.device).manual_seed(self.settings.seed)
+        self.context: DraftContextCache | None = None
+        self.vocab_size = self.model_runner.model_config.vocab_size
+        self._step = 0
+        _ACTIVE_WORKER = self
+        logger.info(
+            "DSPARK_LIVE worker: drafter %s, gamma %d, taps %s, planner %s, overlap %s, verify attention %s",
+            self.settings.draft_path, self.gamma, list(self.drafter.target_layer_ids), self.settings.planner,
+            self.enable_overlap, self.settings.verify_attention,
+        )
+
+    # ------------------------------------------------------------------ set-up
+
+    @property
+    def draft_worker(self):
+        return None
+
+    def alloc_memory_pool(self, **kwargs) -> None:
+        """Share the target's pools; size the drafter context cache to SGLang's request slots."""
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
+        num_slots = int(self.req_to_token_pool.req_to_token.shape[0])
+        self.context = self.drafter.new_cache(num_slots=num_slots, capacity=256)
+
+    def _load_drafter(self):
+        """Load the checkpoint sharing the target's embedding and lm_head tensors, in its dtype."""
+        model = self.model_runner.model
+        vocab = self.model_runner.model_config.vocab_size
+        embed = model.model.embed_tokens.weight[:vocab]
+        head = model.lm_head.weight[:vocab] if hasattr(model, "lm_head") else embed
+        drafter = load_drafter(self.settings.draft_path, target=TargetWeights(embed_tokens=embed, lm_head=head))
+        return drafter.to(device=self.device, dtype=self.model_runner.dtype).eval()
+
+    # ----------------------------------------------------------------- dispatch
+
+    def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, grammar_barrier=None, *,
+                                 pp_proxy_tensors=None) -> GenerationBatchResult:
+        if batch.forward_mode.is_idle():
+            return self._idle_result(on_publish)
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            return self._forward_prefill(batch, on_publish)
+        return self._forward_decode(batch, on_publish)
+
+    def _idle_result(self, on_publish) -> GenerationBatchResult:
+        empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+        if on_publish is not None:
+            on_publish(empty)
+        return GenerationBatchResult(
+            logits_output=None, next_token_ids=empty, accept_lens=empty.to(torch.int32),
+            next_draft_input=make_draft_input_v2(bonus_tokens=empty, new_seq_lens=empty),
+            can_run_cuda_graph=False, speculative_num_draft_tokens=self.stride, new_seq_lens=empty,
+        )
+
+    # ------------------------------------------------------------------ prefill
+
+    def _forward_prefill(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+        """Target extend capturing the taps of every new prompt position; seed the drafter context."""
+        slots = batch.req_pool_indices.to(torch.long).cpu()
+        prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.long)
+        extend_lens = torch.tensor(batch.extend_lens, dtype=torch.long)
+        self._align_context(slots, prefix_lens)
+        result = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        taps = result.logits_output.hidden_states
+        if taps is None or taps.shape[0] != int(extend_lens.sum()):
+            raise RuntimeError(
+                f"DSPARK_LIVE prefill: expected taps for {int(extend_lens.sum())} tokens from the target's aux "
+                f"hidden capture, got {None if taps is None else tuple(taps.shape)}"
+            )
+        self.drafter.append_context(self.context, slots, taps, extend_lens)
+        result.logits_output.hidden_states = None
+        result.new_seq_lens = batch.seq_lens
+        if on_publish is not None:
+            on_publish(batch.seq_lens)
+        result.next_draft_input = make_draft_input_v2(bonus_tokens=result.next_token_ids,
+                                                      new_seq_lens=batch.seq_lens)
+        self.recorder.note_prefill()
+        return result
+
+    def _align_context(self, slots: torch.Tensor, prefix_lens: torch.Tensor) -> None:
+        """A slot's context must hold exactly the request's prefix before its extend.
+
+        A reused slot (new request, prefix 0) or a retracted request is cut back; a context
+        shorter than the prefix means the prefix came from a cache whose taps we never saw.
+        """
+        current = self.context.lengths[slots]
+        if bool((current < prefix_lens).any()):
+            bad = (current < prefix_lens).nonzero().flatten().tolist()
+            raise RuntimeError(
+                f"DSPARK_LIVE: drafter context of slots {slots[bad].tolist()} holds {current[bad].tolist()} "
+                f"tokens but the extend starts after {prefix_lens[bad].tolist()}: a prefix-cache hit without "
+                "taps. DSPARK_LIVE runs with the radix cache disabled; do not re-enable it"
+            )
+        self.context.truncate(slots, torch.minimum(current, prefix_lens))
+
+    # ------------------------------------------------------------------- decode
+
+    def _forward_decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+        started = time.perf_counter()
+        batch_size = len(batch.reqs)
+        slots = batch.req_pool_indices.to(torch.long).cpu()
+        seq_lens = batch.seq_lens.to(torch.long).cpu()
+        bonus = batch.spec_info.bonus_tokens.to(torch.long).reshape(-1).cpu()
+        params = sampling_params_of(batch)
+        if not bool((self.context.lengths[slots] == seq_lens).all()):
+            raise RuntimeError(
+                f"DSPARK_LIVE: drafter context lengths {self.context.lengths[slots].tolist()} differ from "
+                f"committed lengths {seq_lens.tolist()} (slots {slots.tolist()})"
+            )
+
+        hidden = self.drafter.forward_block(self.context, slots, bonus)[:, : self.gamma]
+        draft = sample_block(self.drafter, hidden, bonus, params, self.generator, target_vocab_size=self.vocab_size)
+        rids = [req.rid for req in batch.reqs]
+        plan = self.planner.plan(rids, draft.confidence_logits, seq_lens)
+        drafted = time.perf_counter()
+
+        logits, taps = self._verify_forward(batch, slots, seq_lens, bonus, draft.tokens, plan.verify_lens)
+        verified = time.perf_counter()
+        window_lens = plan.verify_lens + 1
+        outcome = verify(draft, _pad_rows(logits, window_lens), plan.verify_lens, params, self.generator)
+        accept_lens = outcome.num_accepted + 1
+        new_seq_lens = seq_lens + accept_lens
+        self.drafter.append_context(self.context, slots, _committed_rows(taps, window_lens, accept_lens),
+                                    accept_lens)
+        rows = torch.arange(batch_size)
+        new_bonus = outcome.tokens[rows, outcome.num_accepted]
+        if on_publish is not None:
+            on_publish(new_seq_lens.to(self.device))
+
+        next_tokens = torch.zeros((batch_size, self.stride), dtype=torch.int64)
+        next_tokens[:, : outcome.tokens.shape[1]] = outcome.tokens.clamp(min=0)
+        self._record(batch, rids, slots, seq_lens, params, plan, outcome.num_accepted,
+                     started, drafted, verified)
+        return GenerationBatchResult(
+            logits_output=None,
+            next_token_ids=next_tokens.reshape(-1).to(self.device),
+            accept_lens=accept_lens.to(device=self.device, dtype=torch.int32),
+            cap_lens=window_lens.to(device=self.device, dtype=torch.int32),
+            new_seq_lens=new_seq_lens.to(self.device),
+            next_draft_input=make_draft_input_v2(bonus_tokens=new_bonus.to(self.device),
+                                                 new_seq_lens=new_seq_lens.to(self.device)),
+            can_run_cuda_graph=False,
+            speculative_num_draft_tokens=self.stride,
+        )
+
+    def _install_verify_attention(self) -> None:
+        """Wrap the target's attention backends (they exist only after SGLang's late init)."""
+        if self.settings.verify_attention != "linear":
+            return
+        for backend in {id(b): b for b in (self.model_runner.attn_backend,
+                                           getattr(self.model_runner, "decode_attn_backend", None)) if b}.values():
+            verify_attention.install(backend)
+
+    def _verify_forward(self, batch: ScheduleBatch, slots: torch.Tensor, seq_lens: torch.Tensor,
+                        bonus: torch.Tensor, drafts: torch.Tensor, verify_lens: torch.Tensor):
+        """One TARGET_VERIFY forward over each request's `[bonus, first verify_lens[b] drafts]`.
+
+        Returns packed logits `[sum(w), V]` and taps `[sum(w), m*d]`. The window's KV slots were
+        reserved by the scheduler (`eagle_prepare_for_decode`: 2 x window past the committed length).
+        """
+        self._install_verify_attention()
+        window_lens = verify_lens + 1
+        token_rows = [torch.cat((bonus[b : b + 1], drafts[b, : int(verify_lens[b])]))
+                      for b in range(len(slots))]
+        input_ids = torch.cat(token_rows).to(self.device)
+        positions = torch.cat([torch.arange(int(s), int(s) + int(w)) for s, w in zip(seq_lens, window_lens)])
+        req_to_token = self.req_to_token_pool.req_to_token
+        out_cache_loc = torch.cat([req_to_token[int(slot), int(s): int(s) + int(w)]
+                                   for slot, s, w in zip(slots, seq_lens, window_lens)]).to(torch.int64)
+        if bool((out_cache_loc <= 0).any()):
+            raise RuntimeError("DSPARK_LIVE verify: a window slot was not reserved by the scheduler (KV id 0)")
+
+        saved = (batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info)
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = input_ids
+        batch.out_cache_loc = out_cache_loc.to(self.device)
+        batch.spec_info = DFlashVerifyInput(draft_token=input_ids, positions=positions.to(self.device),
+                                            draft_token_num=self.stride, capture_hidden_mode=CaptureHiddenMode.FULL)
+        try:
+            forward_batch = ForwardBatch.init_new(batch, self.model_runner, capture_hidden_mode=CaptureHiddenMode.FULL,
+                                                  return_hidden_states_before_norm=False)
+            _reshape_as_extend(forward_batch, seq_lens, window_lens, self.device)
+            result = self._target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch,
+                                                                  is_verify=True)
+        finally:
+            batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info = saved
+        output = result.logits_output
+        logits = output.next_token_logits[:, : self.vocab_size]
+        if output.hidden_states is None or output.hidden_states.shape[0] != logits.shape[0]:
+            raise RuntimeError("DSPARK_LIVE verify: the target returned no taps for the verify window")
+        return logits.float().cpu(), output.hidden_states.cpu()
+
+    # ------------------------------------------------------------------ records
+
+    def _record(self, batch, rids, slots, seq_lens, params, plan, num_accepted, started, drafted, verified):
+        self._step += 1
+        finished = time.perf_counter()
+        confidences = plan.confidence_logits.tolist()
+        survivals = plan.survivals.tolist()
+        verify_lens = plan.verify_lens.tolist()
+        accepted = num_accepted.tolist()
+        requests = [
+            RequestStep(rid=str(rid), slot=int(slot), context_len=int(length), verify_len=verify_lens[b],
+                        accepted=accepted[b], temperature=float(params.temperature[b]),
+                        confidence_logits=confidences[b], survivals=survivals[b])
+            for b, (rid, slot, length) in enumerate(zip(rids, slots.tolist(), seq_lens.tolist()))
+        ]
+        self.recorder.add(StepRecord(
+            step=self._step, wall_time=time.time(), batch_size=len(rids), capacity=plan.capacity,
+            verify_tokens=sum(verify_lens) + len(rids), accepted_tokens=sum(accepted),
+            committed_tokens=sum(accepted) + len(rids), predicted_seconds=plan.predicted_seconds,
+            measured_seconds=finished - started, draft_seconds=drafted - started,
+            verify_seconds=verified - drafted, overlap=self.enable_overlap, requests=requests,
+        ))
+
+
+def _reshape_as_extend(forward_batch: ForwardBatch, seq_lens: torch.Tensor, window_lens: torch.Tensor,
+                       device) -> None:
+    """Give the TARGET_VERIFY forward the extend-over-prefix fields attention backends read.
+
+    The linear verify attention reads only the spans; SGLang's own torch_native extend (the
+    `DSPARK_VERIFY_ATTENTION=native` path) reads the extend fields and the grown seq_lens.
+    """
+    total = seq_lens + window_lens
+    forward_batch.extend_prefix_lens = seq_lens.to(device=device, dtype=torch.int32)
+    forward_batch.extend_seq_lens = window_lens.to(device=device, dtype=torch.int32)
+    forward_batch.extend_prefix_lens_cpu = seq_lens.tolist()
+    forward_batch.extend_seq_lens_cpu = window_lens.tolist()
+    forward_batch.extend_num_tokens = int(window_lens.sum())
+    forward_batch.extend_start_loc = (torch.cumsum(window_lens, 0) - window_lens).to(device=device, dtype=torch.int32)
+    forward_batch.seq_lens = total.to(device=device, dtype=forward_batch.seq_lens.dtype)
+    forward_batch.seq_lens_cpu = total.clone()
+    forward_batch.seq_lens_sum = int(total.sum())
+    setattr(forward_batch, verify_attention.VERIFY_SPANS_ATTR,
+            list(zip(seq_lens.tolist(), window_lens.tolist())))
+
+
+def _pad_rows(packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """`[sum(lengths), V]` -> `[B, max(lengths), V]` (rows past a request's length are zeros)."""
+    width = int(lengths.max())
+    out = packed.new_zeros((len(lengths), width, packed.shape[-1]))
+    start = 0
+    for b, length in enumerate(lengths.tolist()):
+        out[b, :length] = packed[start : start + length]
+        start += length
+    return out
+
+
+def _committed_rows(packed: torch.Tensor, window_lens: torch.Tensor, accept_lens: torch.Tensor) -> torch.Tensor:
+    """The first `accept_lens[b]` rows of each request's window, packed in request order."""
+    starts = torch.cumsum(window_lens, 0) - window_lens
+    index = torch.cat([torch.arange(int(s), int(s) + int(a)) for s, a in zip(starts, accept_lens)])
+    return packed[index]

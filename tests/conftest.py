@@ -1,0 +1,79 @@
+"""Session-scoped SGLang server fixtures (tests marked `server`).
+
+One tiny target (random Llama + trained byte-level BPE) and one tiny drafter are built per
+session; servers start on first use, at most once per session, in parallel where a test asks
+for several (each start costs ~40-60 s on 2 cores). Everything is torn down at session end.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from server_fixtures import ServerHandle, build_tiny_drafter, build_tiny_target, launch_servers
+
+SERVER_FLAVOURS = {
+    # name: extra launch_server arguments
+    "baseline": [],
+    "dspark_overlap": ["--speculative-algorithm", "DSPARK_LIVE"],
+    "dspark_sync": ["--speculative-algorithm", "DSPARK_LIVE", "--disable-overlap-schedule"],
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerPool:
+    """Starts each flavour at most once per session; `get(*names)` starts missing ones together."""
+
+    def __init__(self, target: Path, drafter: Path, log_dir: Path) -> None:
+        self.target, self.drafter, self.log_dir = target, drafter, log_dir
+        self.running: dict[str, ServerHandle] = {}
+
+    def get(self, *names: str) -> list[ServerHandle]:
+        missing = [name for name in names if name not in self.running]
+        if missing:
+            specs = []
+            for name in missing:
+                extra = list(SERVER_FLAVOURS[name])
+                if "--speculative-algorithm" in extra:
+                    extra += ["--speculative-draft-model-path", str(self.drafter)]
+                specs.append((name, _free_port(), extra))
+            self.running.update(launch_servers(self.target, specs, self.log_dir))
+        return [self.running[name] for name in names]
+
+    def stop_all(self) -> None:
+        for handle in self.running.values():
+            handle.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_serving_models(tmp_path_factory) -> tuple[Path, Path]:
+    """(target folder, drafter folder) built once per session."""
+    root = tmp_path_factory.mktemp("serving-models")
+    target = build_tiny_target(root / "target")
+    return target, build_tiny_drafter(target, root / "drafter")
+
+
+@pytest.fixture(scope="session")
+def server_pool(tiny_serving_models, tmp_path_factory):
+    pool = ServerPool(*tiny_serving_models, tmp_path_factory.mktemp("server-logs"))
+    yield pool
+    pool.stop_all()
+
+
+@pytest.fixture(scope="session")
+def baseline_server(server_pool) -> ServerHandle:
+    """Plain SGLang serving of the tiny target (no speculation)."""
+    return server_pool.get("baseline")[0]
+
+
+@pytest.fixture(scope="session")
+def dspark_server(server_pool) -> ServerHandle:
+    """DSPARK_LIVE with overlap scheduling (SGLang's default)."""
+    return server_pool.get("dspark_overlap")[0]

@@ -1,0 +1,92 @@
+"""Fast unit tests of the engine pieces that do not need a server (verify attention, knobs, records)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
+from sglang_dspark.engine.settings import SettingsError, load_settings
+from sglang_dspark.engine.verify_attention import verify_attention
+
+
+def _reference_attention(q, k, v, prefix_len, scale):
+    """Full causal attention over the whole sequence, keeping the window rows (the O(L^2) way)."""
+    total = k.shape[0]
+    full_q = torch.zeros(total, *q.shape[1:])
+    full_q[prefix_len:] = q
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", full_q, k) * scale
+    scores = scores.masked_fill(torch.triu(torch.ones(total, total, dtype=torch.bool), 1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)[prefix_len:]
+
+
+def test_verify_attention_equals_causal_attention_over_the_whole_sequence():
+    torch.manual_seed(0)
+    heads, kv_heads, dim, pool = 4, 2, 16, 64
+    k_cache, v_cache = torch.randn(pool, kv_heads, dim), torch.randn(pool, kv_heads, dim)
+    req_to_token = torch.randperm(pool - 1).add(1).reshape(3, 21)
+    spans = [(7, 3), (0, 5), (15, 1)]
+    q = torch.randn(sum(w for _, w in spans), heads, dim)
+    out = verify_attention(q, k_cache, v_cache, req_to_token, [2, 0, 1], spans, dim**-0.5, enable_gqa=True)
+    start = 0
+    for row, (prefix, window) in zip([2, 0, 1], spans):
+        slots = req_to_token[row, : prefix + window]
+        want = _reference_attention(q[start : start + window], k_cache[slots], v_cache[slots], prefix, dim**-0.5)
+        torch.testing.assert_close(out[start : start + window], want, rtol=1e-5, atol=1e-5)
+        start += window
+
+
+def _draft_folder(tmp_path, block_size=4):
+    (tmp_path / "config.json").write_text(json.dumps({"block_size": block_size}))
+    return tmp_path
+
+
+def test_settings_default_to_checkpoint_block_size_and_verify_all(tmp_path, monkeypatch):
+    for name in ("DSPARK_GAMMA", "DSPARK_PLANNER", "DSPARK_SPS_PATH", "DSPARK_STS_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    settings = load_settings(_draft_folder(tmp_path))
+    assert (settings.gamma, settings.verify_window, settings.planner) == (4, 5, "all")
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("DSPARK_GAMMA", "9", "between 1 and 4"),
+    ("DSPARK_GAMMA", "two", "expected an integer"),
+    ("DSPARK_PLANNER", "greedy", "expected all, production or fixed:N"),
+    ("DSPARK_PLANNER", "fixed:7", "0 <= N <= gamma=4"),
+    ("DSPARK_PLANNER", "production", "needs a cost model"),
+    ("DSPARK_VERIFY_ATTENTION", "flash", "expected linear or native"),
+])
+def test_bad_knobs_fail_with_what_was_expected(tmp_path, monkeypatch, name, value, message):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingsError, match=message):
+        load_settings(_draft_folder(tmp_path))
+
+
+def test_a_folder_without_config_is_not_a_drafter(tmp_path):
+    with pytest.raises(SettingsError, match="no config.json"):
+        load_settings(tmp_path)
+
+
+def _record(step: int, batch: int, accepted: int) -> StepRecord:
+    request = RequestStep(rid="r", slot=0, context_len=10, verify_len=4, accepted=accepted, temperature=0.0,
+                          confidence_logits=[0.0] * 4, survivals=[0.5] * 4)
+    return StepRecord(step=step, wall_time=0.0, batch_size=batch, capacity=None, verify_tokens=5 * batch,
+                      accepted_tokens=accepted * batch, committed_tokens=(accepted + 1) * batch,
+                      predicted_seconds=None, measured_seconds=0.01, draft_seconds=0.001, verify_seconds=0.005,
+                      overlap=True, requests=[request] * batch)
+
+
+def test_recorder_keeps_a_bounded_ring_but_totals_everything(tmp_path):
+    log = tmp_path / "steps.jsonl"
+    recorder = StepRecorder(max_records=3, log_path=log)
+    for step in range(10):
+        recorder.add(_record(step, batch=2, accepted=1))
+    assert [r.step for r in recorder.last()] == [7, 8, 9]
+    summary = recorder.summary()
+    assert summary["decode_steps"] == 10 and summary["tau"] == 2.0
+    assert len(log.read_text().splitlines()) == 10
