@@ -59,7 +59,7 @@ def load_drafter(
             )
         drafter.set_token_weights(
             token_weights["embed_tokens.weight"], token_weights["lm_head.weight"],
-            lm_head_is_full_vocab=False,
+            lm_head_is_full_vocab=False, share=False,
         )
     return drafter.eval()
 
@@ -80,8 +80,8 @@ def save_drafter(drafter: DSparkDrafter, path: str | Path, include_token_weights
                 "or pass include_token_weights=False)"
             )
         # clones: safetensors refuses tensors that share storage (tied target embeddings do)
-        tensors["embed_tokens.weight"] = drafter.embed_tokens.weight.detach().clone()
-        tensors["lm_head.weight"] = drafter.lm_head.weight.detach().clone()
+        tensors["embed_tokens.weight"] = drafter.embed_tokens.weight.detach().clone(memory_format=torch.contiguous_format)
+        tensors["lm_head.weight"] = drafter.lm_head.weight.detach().clone(memory_format=torch.contiguous_format)
     if drafter.d2t is not None:
         tensors["d2t"] = drafter.d2t.detach().cpu().clone()
     tensors = {name: t.cpu() for name, t in tensors.items()}

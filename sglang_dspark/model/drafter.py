@@ -84,6 +84,10 @@ class DSparkDrafter(nn.Module):
         self.register_buffer("d2t", None, persistent=False)
         self._init_weights(config.initializer_range)
         self.to(device=device, dtype=dtype)
+        if self.markov_head is not None:
+            # Read once per slot of the serial walk: column-major makes that GEMM cheaper.
+            w2 = self.markov_head.markov_w2.weight
+            w2.data = column_major(w2.data)
         if config.has_reduced_vocab:
             if d2t is None:
                 raise CheckpointError(
@@ -149,9 +153,16 @@ class DSparkDrafter(nn.Module):
         self.set_token_weights(weights.embed_tokens, weights.lm_head, lm_head_is_full_vocab=True)
 
     def set_token_weights(
-        self, embed_tokens: torch.Tensor, lm_head: torch.Tensor, lm_head_is_full_vocab: bool
+        self,
+        embed_tokens: torch.Tensor,
+        lm_head: torch.Tensor,
+        lm_head_is_full_vocab: bool,
+        share: bool = True,
     ) -> None:
-        """Install frozen token tensors; a full-vocabulary lm_head is cut to the `d2t` rows."""
+        """Install frozen token tensors; a full-vocabulary lm_head is cut to the `d2t` rows.
+
+        With `share`, tensors whose dtype/device already match are used in place (the target's
+        memory); otherwise the drafter keeps its own copy."""
         cfg = self.config
         expected = (cfg.vocab_size, cfg.hidden_size)
         if tuple(embed_tokens.shape) != expected:
@@ -164,11 +175,16 @@ class DSparkDrafter(nn.Module):
                 f"lm_head.weight has shape {tuple(lm_head.shape)}, "
                 f"expected {(head_rows, cfg.hidden_size)}"
             )
+        source = lm_head
         if lm_head_is_full_vocab and self.d2t is not None:
             lm_head = lm_head.index_select(0, self.d2t.to(lm_head.device))
         like = self.fc.weight
         self.embed_tokens.weight = embed_tokens.detach().to(device=like.device, dtype=like.dtype)
-        self.lm_head.weight = lm_head.detach().to(device=like.device, dtype=like.dtype)
+        head = lm_head.detach().to(device=like.device, dtype=like.dtype)
+        shared = share and head.data_ptr() == source.data_ptr()
+        # Our own copy (reduced vocabulary, converted dtype, loaded from disk) is stored
+        # column-major: MKL runs the few-row draft GEMM ~2x faster on it. A shared one stays as is.
+        self.lm_head.weight = head if shared else column_major(head)
 
     def new_cache(self, num_slots: int, capacity: int = 256) -> DraftContextCache:
         """An empty context cache shaped for this drafter (its dtype and device)."""
@@ -375,6 +391,11 @@ class DSparkDrafter(nn.Module):
             )
         embedding = self.markov_head.embed(prev_tokens) if self.confidence_head.with_markov else None
         return self.confidence_head(hidden, embedding)
+
+
+def column_major(matrix: torch.Tensor) -> torch.Tensor:
+    """The same `[rows, cols]` matrix, stored transposed (strides `(1, rows)`)."""
+    return matrix.t().contiguous().t()
 
 
 def check_d2t(d2t: torch.Tensor, config: DSparkConfig) -> torch.Tensor:
