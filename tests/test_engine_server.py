@@ -1,0 +1,176 @@
+"""DSPARK_LIVE against a real SGLang server on CPU: the same output as serving without speculation.
+
+A tiny random target whose drafter accepts roughly 60 % of drafts, so every test sees accepted
+runs, rejections and bonus tokens. Servers are shared per session (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.server
+
+PROMPTS = [
+    "def",
+    "import os\n",
+    "class Parser(object):\n    def __init__(self, text):\n",
+    "for i in range(10):\n    print(i)\n",
+    "# Copyright 2001 Python Software Foundation\n\"\"\"Utilities for reading files.\"\"\"\nimport sys\n",
+    "    return self._data[key]\n\ndef keys(self):\n",
+    "if __name__ == '__main__':\n    main()\n" * 3,
+    "x = [a for a in values if a is not None]\n" * 8,
+]
+MAX_NEW = [40, 17, 64, 9, 33, 80, 25, 48]
+
+
+def generate(url: str, text: str, **sampling) -> dict:
+    response = httpx.post(f"{url}/generate", json={"text": text, "sampling_params": sampling}, timeout=300)
+    response.raise_for_status()
+    return response.json()
+
+
+def generate_all(url: str, requests: list[tuple[str, dict]]) -> list[dict]:
+    """Send all requests at once, so the server batches them (ragged prompts, lengths, finishes)."""
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        return list(pool.map(lambda req: generate(url, req[0], **req[1]), requests))
+
+
+def greedy(max_new_tokens: int, **extra) -> dict:
+    return {"temperature": 0.0, "max_new_tokens": max_new_tokens, **extra}
+
+
+@pytest.fixture(scope="module")
+def servers(server_pool):
+    """The baseline and DSPARK_LIVE with overlap on and off, started together."""
+    baseline, overlap, sync = server_pool.get("baseline", "dspark_overlap", "dspark_sync")
+    return {"baseline": baseline, "dspark_overlap": overlap, "dspark_sync": sync}
+
+
+@pytest.fixture(scope="module")
+def baseline_outputs(servers):
+    requests = [(p, greedy(n, ignore_eos=True)) for p, n in zip(PROMPTS, MAX_NEW)]
+    return generate_all(servers["baseline"].url, requests)
+
+
+@pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
+def test_greedy_output_equals_plain_serving_for_8_concurrent_requests(servers, baseline_outputs, flavour):
+    requests = [(p, greedy(n, ignore_eos=True)) for p, n in zip(PROMPTS, MAX_NEW)]
+    outputs = generate_all(servers[flavour].url, requests)
+    for i, (got, want) in enumerate(zip(outputs, baseline_outputs)):
+        assert got["output_ids"] == want["output_ids"], f"request {i} diverged from plain serving"
+        assert got["meta_info"]["completion_tokens"] == MAX_NEW[i]
+    accept_lengths = [out["meta_info"]["spec_accept_length"] for out in outputs]
+    assert max(accept_lengths) > 1.5, f"drafts were hardly ever accepted: {accept_lengths}"
+    drafts_rejected = [out["meta_info"]["spec_accept_rate"] < 1.0 for out in outputs]
+    assert any(drafts_rejected), "no request ever rejected a draft: the rejection path went untested"
+
+
+@pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
+def test_max_new_tokens_is_never_overshot(servers, baseline_outputs, flavour):
+    limits = [1, 2, 3, 4, 5, 6, 11]
+    requests = [(PROMPTS[2], greedy(n, ignore_eos=True)) for n in limits]
+    outputs = generate_all(servers[flavour].url, requests)
+    reference = baseline_outputs[2]["output_ids"]
+    for limit, out in zip(limits, outputs):
+        assert out["output_ids"] == reference[:limit]
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": limit}
+
+
+def _first_occurrences(ids: list[int], positions: list[int]) -> list[tuple[int, int]]:
+    """(token, index) for tokens whose first occurrence in `ids` is at one of `positions`."""
+    found = []
+    for position in positions:
+        token = ids[position]
+        if ids.index(token) == position:
+            found.append((token, position))
+    return found
+
+
+@pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
+def test_stop_token_inside_an_accepted_run_stops_like_plain_serving(servers, baseline_outputs, flavour):
+    reference = baseline_outputs[5]["output_ids"]
+    cases = _first_occurrences(reference, list(range(3, 60)))[:4]
+    assert cases, "the reference output has no usable stop token"
+    for token, position in cases:
+        sampling = greedy(80, stop_token_ids=[token])
+        want = generate(servers["baseline"].url, PROMPTS[5], **sampling)
+        got = generate(servers[flavour].url, PROMPTS[5], **sampling)
+        assert got["output_ids"] == want["output_ids"] == reference[: position + 1]
+        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+        assert got["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+@pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
+def test_stop_string_truncates_like_plain_serving(servers, baseline_outputs, flavour):
+    reference_text = baseline_outputs[7]["text"]
+    stops = []
+    for start in (10, 25, 40):
+        stop = reference_text[start : start + 3]
+        if stop.strip() and reference_text.find(stop) == start:
+            stops.append(stop)
+    assert stops, f"no usable stop string in {reference_text!r}"
+    for stop in stops:
+        want = generate(servers["baseline"].url, PROMPTS[7], **greedy(80, stop=[stop]))
+        got = generate(servers[flavour].url, PROMPTS[7], **greedy(80, stop=[stop]))
+        assert got["text"] == want["text"]
+        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+        assert got["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_openai_routes_match_plain_serving(servers):
+    for route, body in (
+        ("/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 24, "temperature": 0}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[1]}],
+                                  "max_tokens": 24, "temperature": 0}),
+    ):
+        outputs = []
+        for name in ("baseline", "dspark_overlap"):
+            response = httpx.post(f"{servers[name].url}{route}", json={"model": "tiny", **body}, timeout=300)
+            response.raise_for_status()
+            choice = response.json()["choices"][0]
+            outputs.append(choice.get("text") or choice["message"]["content"])
+        assert outputs[0] == outputs[1], route
+
+
+def _running_requests(url: str) -> int:
+    loads = httpx.get(f"{url}/v1/loads", timeout=30).json()
+    return sum(int(item.get("num_running_reqs", 0)) + int(item.get("num_waiting_reqs", 0))
+               for item in loads.get("loads", []))
+
+
+def test_aborted_stream_frees_its_slots(servers):
+    url = servers["dspark_overlap"].url
+    body = {"text": PROMPTS[0], "stream": True, "sampling_params": greedy(3000, ignore_eos=True)}
+    chunks = 0
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=300) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                json.loads(line[5:])
+                chunks += 1
+            if chunks >= 5:
+                break
+    assert chunks >= 5
+    deadline = time.monotonic() + 60
+    while _running_requests(url) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _running_requests(url) == 0, "the aborted request is still running"
+    flushed = httpx.post(f"{url}/flush_cache", timeout=30)
+    assert flushed.status_code == 200, flushed.text
+    after = generate(url, PROMPTS[1], **greedy(8, ignore_eos=True))
+    assert after["meta_info"]["completion_tokens"] == 8
+
+
+def test_temperature_one_request_completes_and_records_accepted_lengths(servers):
+    out = generate(servers["dspark_overlap"].url, PROMPTS[4], temperature=1.0, max_new_tokens=64,
+                   ignore_eos=True)
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == 64
+    assert meta["spec_verify_ct"] >= 1
+    histogram = meta["spec_correct_drafts_histogram"]
+    assert sum(histogram) == meta["spec_verify_ct"], histogram
+    assert 1.0 <= meta["spec_accept_length"] <= 5.0
