@@ -103,6 +103,7 @@ class BigramDrafter:
     def __init__(self, table: torch.Tensor, d2t: torch.Tensor | None, target_vocab: int) -> None:
         self.table = table  # [V_target, V_draft]
         self.d2t = d2t
+        self.has_confidence_head = True
         self.config = SimpleNamespace(vocab_size=target_vocab)
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,13 +6,17 @@ data generation and tests. Nothing here imports sglang.
 """
 
 from sglang_dspark.decoding.drafting import sample_block
+from sglang_dspark.decoding.reference import GenerateOutput, RoundStats, generate
 from sglang_dspark.decoding.sampling import SamplingParams, logits_to_probs
 from sglang_dspark.decoding.verification import DraftBlock, VerifyResult, verify
 
 __all__ = [
     "DraftBlock",
+    "GenerateOutput",
+    "RoundStats",
     "SamplingParams",
     "VerifyResult",
+    "generate",
     "logits_to_probs",
     "sample_block",
     "verify",

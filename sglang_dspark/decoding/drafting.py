@@ -25,6 +25,7 @@ class BlockDrafter(Protocol):
     """What the walk needs from a drafter (``sglang_dspark.model.DSparkDrafter`` provides it)."""
 
     d2t: torch.Tensor | None
+    has_confidence_head: bool
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -49,6 +50,7 @@ def sample_block(
     (zero outside a reduced draft vocabulary; ``None`` if every row is greedy) and the
     confidence logits. ``target_vocab_size`` is needed only when the drafter has a reduced
     vocabulary (``d2t`` not None); it defaults to ``drafter.config.vocab_size``.
+    ``confidence_logits`` is ``None`` when the drafter has no confidence head.
     """
     if hidden.dim() != 3 or anchors.shape != (hidden.shape[0],):
         raise ValueError(
@@ -68,9 +70,10 @@ def sample_block(
     tokens, probs, confidences = [], [], []
     for slot in range(gamma):
         slot_hidden = hidden[:, slot]
-        confidences.append(drafter.confidence_logits(slot_hidden, prev))
+        if drafter.has_confidence_head:
+            confidences.append(drafter.confidence_logits(slot_hidden, prev).float())
         bias, state = drafter.markov_bias(prev, slot_hidden, state)
-        logits = base[:, slot] + bias
+        logits = base[:, slot].float() + bias.float()
         if all_greedy:
             draft_ids = logits.argmax(-1)
         else:
@@ -82,7 +85,7 @@ def sample_block(
     return DraftBlock(
         tokens=torch.stack(tokens, dim=1),
         probs=None if all_greedy else torch.stack(probs, dim=1),
-        confidence_logits=torch.stack(confidences, dim=1).float(),
+        confidence_logits=torch.stack(confidences, dim=1) if confidences else None,
     )
 
 

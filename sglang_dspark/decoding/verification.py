@@ -38,13 +38,13 @@ class DraftBlock:
     tokens: ``[B, gamma]`` target vocabulary ids, sampled left to right.
     probs: ``[B, gamma, V_target]`` fp32, the distribution each draft was sampled from (zero
         outside the draft vocabulary); ``None`` when every row is greedy.
-    confidence_logits: ``[B, gamma]`` raw confidence-head logits (slot k conditioned on the
-        sampled previous token).
+    confidence_logits: ``[B, gamma]`` fp32 raw confidence-head logits (slot k conditioned on
+        the sampled previous token); ``None`` for a drafter without a confidence head.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
-    confidence_logits: torch.Tensor
+    confidence_logits: torch.Tensor | None
 
     @property
     def gamma(self) -> int:

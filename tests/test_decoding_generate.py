@@ -1,0 +1,188 @@
+"""The reference speculative decoder over a tiny random Llama target.
+
+Greedy: the speculative output must equal the target's own greedy decode token for token. A
+random drafter almost never gets a draft accepted, which would leave the interesting paths
+(partial acceptance, holes in the batched target cache, ragged drafter context) untested, so
+most checks use an *oracle* drafter: the real tiny DSparkDrafter runs its backbone and caches
+as usual, but its Markov bias is replaced by a strong push towards the target's true greedy
+continuation, wrong at a pseudo-random third of the slots. Drafts are then accepted in runs of
+varying length, different per prompt and round.
+
+Sampling: the first two generated tokens are compared with the target's exact distribution,
+computed by enumerating the target.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from decoding_stats import FALSE_ALARM_RATE, chi_square_p_value, total_variation
+from tiny import TINY_VOCAB, make_tiny_drafter, make_tiny_target
+
+from sglang_dspark.decoding import SamplingParams, generate, logits_to_probs
+
+PROMPTS = [[1, 5, 9, 33, 7], [1, 7], [1, 100, 200, 300, 400, 17, 18, 19, 20]]
+MAX_NEW = 14
+
+
+@pytest.fixture(scope="module")
+def target() -> torch.nn.Module:
+    return make_tiny_target(seed=0, dtype=torch.float64)
+
+
+def greedy_reference(target: torch.nn.Module, prompt: list[int], count: int) -> list[int]:
+    """The target's own greedy continuation, recomputed from scratch each token (no cache)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(count):
+            next_id = target(ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+class OracleDrafter:
+    """A real drafter whose Markov bias pushes slot k towards the target's greedy token at that
+    position (``strength``), except at a pseudo-random third of (row, position, slot)."""
+
+    def __init__(self, drafter: torch.nn.Module, sequences: list[list[int]], strength: float) -> None:
+        self.inner, self.sequences, self.strength = drafter, sequences, strength
+        self.rows: list[int] = []
+        self.positions: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def forward_block(self, cache, slots, anchors):
+        self.rows = slots.tolist()
+        self.positions = cache.lengths[slots].tolist()
+        return self.inner.forward_block(cache, slots, anchors)
+
+    def markov_bias(self, prev, hidden, state):
+        slot = 0 if state is None else state
+        bias = torch.zeros(len(self.rows), TINY_VOCAB, dtype=hidden.dtype)
+        for index, (row, position) in enumerate(zip(self.rows, self.positions)):
+            wanted = position + slot + 1
+            sequence = self.sequences[row]
+            if wanted < len(sequence):
+                token = sequence[wanted]
+                if (row * 7 + wanted * 13 + slot * 5) % 3 == 0:
+                    token = (token + 1) % TINY_VOCAB
+                bias[index, token] = self.strength
+        return bias, slot + 1
+
+
+def oracle_for(target, gamma: int, strength: float = 1e3, prompts=PROMPTS) -> OracleDrafter:
+    continuations = {tuple(p): greedy_reference(target, p, MAX_NEW + gamma + 1) for p in prompts}
+    sequences = [p + continuations[tuple(p)] for p in prompts]
+    return OracleDrafter(make_tiny_drafter(target, gamma=gamma), sequences, strength)
+
+
+@pytest.fixture(scope="module")
+def expected_greedy(target) -> list[list[int]]:
+    return [greedy_reference(target, p, MAX_NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("gamma", range(1, 9))
+def test_greedy_equals_target_greedy_for_every_gamma(target, expected_greedy, gamma: int) -> None:
+    drafter = oracle_for(target, gamma)
+    out = generate(target, drafter, PROMPTS, MAX_NEW, temperature=0.0)
+    assert out.tokens == expected_greedy
+    accepted = [a for r in out.rounds for a in r.accepted]
+    assert max(accepted) >= min(gamma, 2) and min(accepted) == 0, "oracle should give mixed acceptance"
+    assert all(sum(r.committed[r.prompts.index(p)] for r in out.rounds if p in r.prompts) + 1 == MAX_NEW
+               for p in range(len(PROMPTS)))
+
+
+CAPS = {
+    "fixed_cap": 2,
+    "zero_drafts": 0,
+    "per_round": [3, 0, 5, 1, 6, 2] * 10,
+    "per_prompt": [[6, 1, 3]] * 30,
+    "callable": lambda round_index, conf: [(round_index + p) % 7 for p in range(len(PROMPTS))],
+}
+
+
+@pytest.mark.parametrize("cap", list(CAPS))
+def test_greedy_equals_target_greedy_under_capped_verify_lengths(target, expected_greedy, cap: str) -> None:
+    drafter = oracle_for(target, gamma=6)
+    out = generate(target, drafter, PROMPTS, MAX_NEW, temperature=0.0, verify_lengths=CAPS[cap])
+    assert out.tokens == expected_greedy
+    for round_stats in out.rounds:
+        assert all(a <= d for a, d in zip(round_stats.accepted, round_stats.drafted))
+    if cap == "zero_drafts":
+        assert all(d == 0 for r in out.rounds for d in r.drafted)
+
+
+def test_real_random_drafter_greedy_also_matches(target, expected_greedy) -> None:
+    drafter = make_tiny_drafter(target, gamma=5, markov_head_type="rnn")
+    out = generate(target, drafter, PROMPTS, MAX_NEW, temperature=0.0)
+    assert out.tokens == expected_greedy
+    assert out.rounds[0].confidence_logits.shape == (len(PROMPTS), 5)
+
+
+def test_stops_exactly_at_max_new_tokens_and_at_eos(target, expected_greedy) -> None:
+    drafter = oracle_for(target, gamma=7)
+    for limit in (1, 2, 5):
+        out = generate(target, drafter, PROMPTS, limit, temperature=0.0)
+        assert out.tokens == [e[:limit] for e in expected_greedy]
+    stop = expected_greedy[0][3]
+    out = generate(target, drafter, PROMPTS, MAX_NEW, temperature=0.0, eos_token_id=stop)
+    for tokens, expected in zip(out.tokens, expected_greedy):
+        cut = expected.index(stop) + 1 if stop in expected else MAX_NEW
+        assert tokens == expected[:cut]
+
+
+def test_seeded_sampling_is_reproducible(target) -> None:
+    drafter = oracle_for(target, gamma=4, strength=3.0)
+    first = generate(target, drafter, PROMPTS, 10, temperature=0.8, top_k=20, seed=7)
+    again = generate(target, drafter, PROMPTS, 10, temperature=0.8, top_k=20, seed=7)
+    assert first.tokens == again.tokens and all(len(t) == 10 for t in first.tokens)
+
+
+def test_bad_arguments_fail_clearly(target) -> None:
+    drafter = make_tiny_drafter(target, gamma=3)
+    with pytest.raises(ValueError, match="0..gamma=0..3"):
+        generate(target, drafter, PROMPTS, 4, verify_lengths=4)
+    with pytest.raises(ValueError, match="every prompt at least one token"):
+        generate(target, drafter, [[1, 2], []], 4)
+    with pytest.raises(ValueError, match="lists 1 rounds"):
+        generate(target, drafter, PROMPTS, 6, temperature=0.0, verify_lengths=[0])
+
+
+# --- end-to-end losslessness ---------------------------------------------------------------
+
+E2E_PROMPT = [1, 40, 41, 42]
+E2E_SAMPLES = 3000
+
+
+def exact_first_two(target, params_one: tuple[float, float, int]) -> torch.Tensor:
+    """P(y1, y2) ``[V, V]`` of the target after E2E_PROMPT, by enumerating y1."""
+    with torch.no_grad():
+        first_logits = target(torch.tensor([E2E_PROMPT])).logits[:, -1]
+        first = logits_to_probs(first_logits, SamplingParams.uniform(1, *params_one))[0].double()
+        support = first.nonzero().squeeze(1)
+        batch = torch.cat([torch.tensor([E2E_PROMPT]).expand(len(support), -1), support[:, None]], dim=1)
+        second_logits = target(batch).logits[:, -1]
+        second = logits_to_probs(second_logits, SamplingParams.uniform(len(support), *params_one)).double()
+    joint = torch.zeros(TINY_VOCAB, TINY_VOCAB, dtype=torch.float64)
+    joint[support] = first[support, None] * second
+    return joint
+
+
+@pytest.mark.parametrize("params_one", [(1.0, 1.0, 0), (0.7, 0.9, 0)], ids=["T=1", "T=0.7,top_p=0.9"])
+def test_generate_is_lossless_end_to_end(target, params_one) -> None:
+    temperature, top_p, top_k = params_one
+    drafter = oracle_for(target, gamma=4, strength=3.0, prompts=[E2E_PROMPT] * E2E_SAMPLES)
+    out = generate(target, drafter, [E2E_PROMPT] * E2E_SAMPLES, 2, temperature=temperature, top_p=top_p,
+                   top_k=top_k, seed=1)
+    assert sum(a for a in out.rounds[0].accepted) > E2E_SAMPLES // 10, "drafts should often be accepted"
+    pairs = torch.tensor(out.tokens)
+    counts = torch.zeros(TINY_VOCAB, TINY_VOCAB, dtype=torch.long)
+    counts.index_put_((pairs[:, 0], pairs[:, 1]), torch.ones(E2E_SAMPLES, dtype=torch.long), accumulate=True)
+    expected = exact_first_two(target, params_one)
+    p_joint = chi_square_p_value(counts, expected)
+    p_second = chi_square_p_value(counts.sum(0), expected.sum(0))
+    assert min(p_joint, p_second) > FALSE_ALARM_RATE / 2, (
+        f"first two tokens deviate from the target: p_joint={p_joint:.2e}, p_second={p_second:.2e}, "
+        f"TV={total_variation(counts, expected):.3f}"
+    )
