@@ -1,0 +1,66 @@
+"""The plugin's pure-torch `sgl_kernel` stand-in and DSPARK_LIVE registration."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from sglang_dspark.kernels_cpu.ops import assign_req_to_token_pool_cpu, copy_all_layer_kv_cache_cpu
+
+
+def test_assign_req_to_token_pool_writes_each_requests_slots_at_its_offsets():
+    req_to_token = torch.zeros((4, 10), dtype=torch.int32)
+    out_cache_loc = torch.tensor([11, 12, 13, 21, 31, 32], dtype=torch.int64)
+    assign_req_to_token_pool_cpu(torch.tensor([2, 0, 3]), req_to_token, torch.tensor([4, 0, 7]),
+                                 torch.tensor([7, 1, 9]), out_cache_loc, 10)
+    assert req_to_token[2, 4:7].tolist() == [11, 12, 13]
+    assert req_to_token[0, 0:1].tolist() == [21]
+    assert req_to_token[3, 7:9].tolist() == [31, 32]
+    assert int(req_to_token.count_nonzero()) == 6
+
+
+def test_copy_all_layer_kv_cache_moves_rows_in_every_buffer_even_when_they_overlap():
+    layers = [torch.arange(40, dtype=torch.float32).reshape(10, 4) + 100 * i for i in range(2)]
+    before = [layer.clone() for layer in layers]
+    data_ptrs = torch.tensor([layer.data_ptr() for layer in layers], dtype=torch.uint64)
+    strides = torch.tensor([layer.stride(0) * layer.element_size() for layer in layers], dtype=torch.int64)
+    # 1->2 and 2->3 overlap: row 3 must receive the *old* row 2
+    copy_all_layer_kv_cache_cpu(data_ptrs, strides, torch.tensor([2, 3, 7]), torch.tensor([1, 2, 0]))
+    for layer, old in zip(layers, before):
+        torch.testing.assert_close(layer[2], old[1])
+        torch.testing.assert_close(layer[3], old[2])
+        torch.testing.assert_close(layer[7], old[0])
+        torch.testing.assert_close(layer[[0, 1, 4, 5, 6, 8, 9]], old[[0, 1, 4, 5, 6, 8, 9]])
+
+
+def test_plugin_installs_the_standin_and_registers_dspark_live_in_a_fresh_process():
+    """What SGLang's plugin loader does in each process, without a server."""
+    script = textwrap.dedent("""
+        import sys
+        from sglang_dspark.plugin import register
+        register()
+        import sgl_kernel
+        from sgl_kernel.kvcacheio import copy_all_layer_kv_cache_cpu
+        from sgl_kernel import assign_req_to_token_pool_cpu, verify_tree_greedy_cpu
+        assert sgl_kernel.IS_DSPARK_STANDIN
+        assert copy_all_layer_kv_cache_cpu.__module__ == "sglang_dspark.kernels_cpu.ops"
+        try:
+            verify_tree_greedy_cpu()
+        except NotImplementedError as error:
+            assert "stand-in does not implement" in str(error)
+        else:
+            raise AssertionError("a missing kernel did not raise")
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        algo = SpeculativeAlgorithm.from_string("DSPARK_LIVE")
+        assert algo.supports_overlap and not algo.need_topk() and not algo.carries_draft_hidden_states()
+        register()  # idempotent, as SGLang may call it again
+        print("OK", sys.path[0].endswith("shadow"))
+    """)
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "DSPARK_CPU_KERNELS": "auto"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("OK True")
