@@ -147,7 +147,7 @@ def bench_serve_command(
     dtype: str = typer.Option("bfloat16", help="Same dtype for both arms."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     port: int = typer.Option(30100, help="Port of the server under test."),
-    arms: str = typer.Option("plain,dspark", help="Which arms to run."),
+    arms: str = typer.Option("plain,dspark", help="Which arms to run (empty: only --verify-cost)."),
     verify_cost_contexts: str = typer.Option("", "--verify-cost", help="e.g. 200,2000: also time the verify step."),
     as_json: bool = typer.Option(True, "--json/--no-json", help="Print the report as JSON."),
     plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of throughput vs concurrency."),
@@ -162,9 +162,10 @@ def bench_serve_command(
         typer.echo("error: no drafter given and none shipped; pass --drafter PATH or --arms plain", err=True)
         raise typer.Exit(code=2)
     levels = [int(c) for c in concurrency.split(",")]
-    by_domain = eval_prompts(prompts_per_domain)
-    interleaved = [p for group in zip(*by_domain.values()) for p in group]
-    texts = chat_texts(target, interleaved)
+    texts: list[str] = []
+    if wanted:
+        by_domain = eval_prompts(prompts_per_domain)
+        texts = chat_texts(target, [p for group in zip(*by_domain.values()) for p in group])
     log_dir = Path(tempfile.mkdtemp(prefix="dspark-bench-serve-"))
     report = {"config": {"model_path": target, "drafter": drafter_path, "dtype": dtype, "device": device,
                          "max_new_tokens": max_new_tokens, "repeats": repeats, "prompts": len(texts),
