@@ -14,6 +14,7 @@ checkpoint folder (see `sglang_dspark.engine.settings`).
 from __future__ import annotations
 
 import logging
+import sys
 
 from sglang_dspark.kernels_cpu import install as install_cpu_kernels
 
@@ -29,7 +30,14 @@ def register() -> None:
 
     if get_spec(ALGORITHM_NAME) is not None:
         return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
     from sglang_dspark.engine.algorithm import DSparkLiveAlgorithm, create_worker_class, validate_server_args
+    from sglang_dspark.engine.requests import validate_request_hook
+
+    if "sglang.srt.managers.scheduler" in sys.modules:  # only scheduler processes validate requests
+        HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.validate_dllm_request",
+                              validate_request_hook, HookType.AFTER)
 
     SpeculativeAlgorithm.register(
         ALGORITHM_NAME,
