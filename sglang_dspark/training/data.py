@@ -20,7 +20,9 @@ import ast
 import gzip
 import importlib
 import json
+import os
 import random
+import subprocess
 import sys
 import sysconfig
 import time
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 DOMAINS = ("math", "code", "chat")
+FROZEN_SPLITS = Path(__file__).parent / "splits"
 SPLITS = ("eval", "calibration", "train")
 
 
@@ -55,7 +58,21 @@ def _shim_mathematics_dataset() -> None:
 
 
 def math_prompts(count: int, seed: int) -> tuple[list[str], list[str]]:
-    """``count`` distinct questions round-robin over the generator's modules; also the skipped ones."""
+    """``count`` distinct questions round-robin over the generator's modules; also the skipped ones.
+
+    The generator iterates over sets of sympy symbols, so its output depends on Python's string
+    hash seed; with hash randomisation on, we run it in a child with ``PYTHONHASHSEED=0`` so the
+    questions (and thus the splits) are the same in every process.
+    """
+    if sys.flags.hash_randomization and os.environ.get("PYTHONHASHSEED") != "0":
+        code = (
+            "import json, sys; from sglang_dspark.training.data import math_prompts; "
+            f"print(json.dumps(math_prompts({int(count)}, {int(seed)})))"
+        )
+        env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONWARNINGS": "ignore"}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        questions, skipped = json.loads(done.stdout.strip().splitlines()[-1])
+        return questions, skipped
     import numpy as np
 
     _shim_mathematics_dataset()
@@ -102,18 +119,20 @@ def human_eval_prompts() -> list[str]:
     return [f"Complete this Python function:\n```python\n{stub.strip()}\n```" for stub in stubs]
 
 
-def stdlib_function_prompts(limit: int) -> list[str]:
-    """"Implement this function" prompts from documented standard-library functions.
+def stdlib_function_prompts(limit: int) -> list[tuple[str, str]]:
+    """"Implement this function" prompts from documented standard-library functions, each with
+    the function's real source as a reference answer (``python`` code block).
 
     Files are visited in sorted order so the list is the same on every machine with this Python.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
-    prompts: list[str] = []
+    prompts: list[tuple[str, str]] = []
     for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
         if "test" in path.parts[-2:] or path.name.startswith("test"):
             continue
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError):
             continue
         for node in tree.body:
@@ -124,17 +143,20 @@ def stdlib_function_prompts(limit: int) -> list[str]:
                 continue
             signature = f"def {node.name}({ast.unparse(node.args)}):"
             body = doc.strip().split("\n\n")[0]
-            prompts.append(
+            prompt = (
                 f"Write the Python function `{node.name}` from the `{path.stem}` module.\n"
                 f"```python\n{signature}\n    \"\"\"{body}\"\"\"\n```"
             )
+            reference = ast.get_source_segment(source, node) or ""
+            prompts.append((prompt, f"```python\n{reference}\n```"))
             if len(prompts) >= limit:
                 return prompts
     return prompts
 
 
-def chat_prompts() -> list[str]:
-    """The opening turn (all messages of the first sender) of each chitchat conversation."""
+def chat_prompts() -> list[tuple[str, str]]:
+    """The opening turn (all messages of the first sender) of each chitchat conversation, with
+    the second turn (the human reply) as a reference answer ("" when there is none)."""
     spec = importlib.util.find_spec("chitchat_dataset")
     path = Path(list(spec.submodule_search_locations)[0]) / "dataset.json"
     conversations = json.loads(path.read_text())
@@ -144,35 +166,74 @@ def chat_prompts() -> list[str]:
         if not turns:
             continue
         text = " ".join(message["text"].strip() for message in turns[0]).strip()
+        reply = " ".join(m["text"].strip() for m in turns[1]).strip() if len(turns) > 1 else ""
         if len(text) >= 8:
-            prompts.append(text)
+            prompts.append((text, reply))
     return prompts
 
 
 def domain_prompts(domain: str, seed: int, math_count: int = 6000) -> tuple[list[str], dict]:
-    """All prompts of one domain, de-duplicated, in a seeded order; plus notes for the manifest."""
+    """All prompts of one domain, de-duplicated, in a seeded order; plus notes for the manifest.
+
+    ``notes["references"]`` maps a prompt to a human-written answer where the wheel has one
+    (stdlib source for code, the reply turn for chat): cheap teacher-forced training text.
+    """
     notes: dict = {}
+    pairs: list[tuple[str, str]]
     if domain == "math":
-        prompts, skipped = math_prompts(math_count, seed)
+        questions, skipped = math_prompts(math_count, seed)
+        pairs = [(question, "") for question in questions]
         notes["skipped_generators"] = sorted(set(skipped))
     elif domain == "code":
-        prompts = human_eval_prompts() + stdlib_function_prompts(limit=6000)
+        pairs = [(stub, "") for stub in human_eval_prompts()] + stdlib_function_prompts(limit=6000)
     elif domain == "chat":
-        prompts = chat_prompts()
+        pairs = chat_prompts()
     else:
         raise ValueError(f"unknown domain {domain!r}; expected one of {DOMAINS}")
-    unique = list(dict.fromkeys(prompts))
+    references = {}
+    for prompt, reference in pairs:
+        references.setdefault(prompt, reference)
+    unique = list(references)
     random.Random(f"{seed}-{domain}").shuffle(unique)
     notes["count"] = len(unique)
+    notes["references"] = {p: r for p, r in references.items() if r}
     return unique, notes
 
 
-def build_splits(seed: int = 0, sizes: SplitSizes = SplitSizes()) -> tuple[dict, dict]:
-    """``splits[split][domain] -> prompts``, disjoint by construction; and per-domain notes."""
+def frozen_held_out() -> dict[str, dict[str, list[str]]] | None:
+    """The eval and calibration prompts that ship with the package (``training/splits/``).
+
+    mathematics-dataset's output is not reproducible across processes (it iterates over sets of
+    sympy objects), so the held-out splits are frozen files rather than regenerated; the train
+    split is everything else, checked disjoint from them.
+    """
+    held: dict[str, dict[str, list[str]]] = {}
+    for split in ("eval", "calibration"):
+        path = FROZEN_SPLITS / f"{split}.jsonl"
+        if not path.exists():
+            return None
+        held[split] = {domain: [] for domain in DOMAINS}
+        for record in read_jsonl(path):
+            held[split][record["domain"]].append(record["prompt"])
+    return held
+
+
+def build_splits(seed: int = 0, sizes: SplitSizes = SplitSizes(), frozen: bool = True) -> tuple[dict, dict]:
+    """``splits[split][domain] -> prompts``, disjoint by construction; and per-domain notes.
+
+    With ``frozen`` (default) the shipped eval/calibration files are used and removed from train.
+    """
+    held = frozen_held_out() if frozen else None
     splits: dict = {split: {} for split in SPLITS}
     notes: dict = {}
     for domain in DOMAINS:
         prompts, notes[domain] = domain_prompts(domain, seed)
+        if held is not None:
+            excluded = set(held["eval"][domain]) | set(held["calibration"][domain])
+            splits["eval"][domain] = held["eval"][domain]
+            splits["calibration"][domain] = held["calibration"][domain]
+            splits["train"][domain] = [p for p in prompts if p not in excluded]
+            continue
         held_out = sizes.eval + sizes.calibration
         if len(prompts) <= held_out:
             raise ValueError(f"{domain}: only {len(prompts)} prompts, need more than {held_out}")
@@ -182,13 +243,53 @@ def build_splits(seed: int = 0, sizes: SplitSizes = SplitSizes()) -> tuple[dict,
     return splits, notes
 
 
+def split_prompts(split: str, domain: str | None = None) -> list[dict]:
+    """The shipped eval or calibration records (``id``, ``domain``, ``prompt``), optionally one domain."""
+    if split not in ("eval", "calibration"):
+        raise ValueError(f"split must be 'eval' or 'calibration', got {split!r}")
+    records = read_jsonl(FROZEN_SPLITS / f"{split}.jsonl")
+    if domain is not None and domain not in DOMAINS:
+        raise ValueError(f"unknown domain {domain!r}; expected one of {DOMAINS}")
+    return [r for r in records if domain is None or r["domain"] == domain]
+
+
+def reference_records(tokenizer, train_file: Path, max_response_tokens: int = 320) -> list[dict]:
+    """Train prompts that carry a human reference answer, as response records (teacher forcing).
+
+    The reference is not the target's own text, but the target's distribution at each of its
+    positions still is what the drafter learns; this text costs one target forward per token
+    instead of a full generation step, which is what this CPU can afford.
+    """
+    eos = tokenizer.eos_token_id
+    out = []
+    for record in read_jsonl(train_file):
+        reference = record.get("reference")
+        if not reference:
+            continue
+        response = tokenizer.encode(reference, add_special_tokens=False)
+        # a complete answer ends its turn; a cut one just stops (no false end-of-turn)
+        response = response[:max_response_tokens] if len(response) >= max_response_tokens else response + [eos]
+        out.append({"id": "ref-" + record["id"], "domain": record["domain"],
+                    "prompt_ids": chat_ids(tokenizer, record["prompt"])[-256:],
+                    "response_ids": response})
+    return out
+
+
+def _with_reference(record: dict, references: dict) -> dict:
+    reference = references.get(record["domain"], {}).get(record["prompt"])
+    return {**record, "reference": reference} if reference else record
+
+
 def write_splits(folder: Path, seed: int = 0, sizes: SplitSizes = SplitSizes()) -> dict:
     """Write ``{split}.jsonl`` (``{"id", "domain", "prompt"}`` lines) and ``splits.json``."""
     folder.mkdir(parents=True, exist_ok=True)
     splits, notes = build_splits(seed, sizes)
+    references = {domain: notes[domain].pop("references") for domain in DOMAINS}
     for split, by_domain in splits.items():
         with open(folder / f"{split}.jsonl", "w") as handle:
             for record in _interleave(split, by_domain):
+                if split == "train":  # references only where they are training text
+                    record = _with_reference(record, references)
                 handle.write(json.dumps(record) + "\n")
     manifest = {
         "seed": seed,

@@ -87,7 +87,12 @@ def build_target_cache(
     started = time.perf_counter()
     pending: list[dict] = []
     new_tokens = 0
-    records.sort(key=lambda r: len(r["prompt_ids"]) + len(r["response_ids"]))
+    # sort by length within windows only: little padding, and a build stopped early stays a
+    # random sample of the records rather than only the shortest ones
+    window = 64
+    records = [r for start in range(0, len(records), window)
+               for r in sorted(records[start : start + window],
+                               key=lambda r: len(r["prompt_ids"]) + len(r["response_ids"]))]
     for batch in _token_batches(records, tokens_per_batch, max_len):
         pending.extend(_run_target(model, batch, layer_ids, top_k, max_len))
         if sum(len(p["input_ids"]) for p in pending) >= shard_tokens:

@@ -1,0 +1,63 @@
+"""`dspark-ctl eval`: offline tau, acceptance curves, confidence ECE and draft cost of drafters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def eval_command(
+    draft: List[str] = typer.Option(..., "--draft", help="Drafter folder; repeat to compare (e.g. DSpark and its DFlash twin)."),
+    target: Optional[str] = typer.Option(None, "--target", help="Target model folder [default: prepared SmolLM2]."),
+    domain: Optional[str] = typer.Option(None, "--domain", help="math | code | chat (default: all three)."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL with a 'prompt' field (chat-templated here) and an optional 'domain'."),
+    temperature: float = typer.Option(1.0, "--temperature", help="0 = greedy."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Drafts verified per round (default gamma)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Prompts per domain."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    batch_size: int = typer.Option(8, "--batch-size"),
+    seed: int = typer.Option(0, "--seed"),
+    calibrate: bool = typer.Option(False, "--calibrate", help="Fit STS on the calibration split first and save <draft>/sts.json."),
+    out: Optional[str] = typer.Option(None, "--out", help="Folder for eval.json, rounds.jsonl and the PNG."),
+    threads: Optional[int] = typer.Option(None, "--threads"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Speculatively decode the eval split (or --prompts) and report tau and calibration."""
+    from sglang_dspark.training.data import DOMAINS, read_jsonl, split_prompts
+    from sglang_dspark.training.evaluate import evaluate
+
+    from dspark_ctl.train import _target_or_default
+
+    if domain is not None and domain not in DOMAINS:
+        raise typer.BadParameter(f"--domain must be one of {', '.join(DOMAINS)}, got {domain!r}")
+    if prompts:
+        records = [r for r in read_jsonl(Path(prompts)) if domain is None or r.get("domain") == domain]
+    else:
+        records = split_prompts("eval", domain)
+    records = _limit_per_domain(records, limit)
+    calibration = _limit_per_domain(split_prompts("calibration", domain), limit) if calibrate else None
+    report = evaluate(_target_or_default(target), draft, records, temperature, max_new_tokens,
+                      batch_size=batch_size, verify_length=block_size, seed=seed,
+                      calibration_prompts=calibration, out_dir=Path(out) if out else None, threads=threads)
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    for name, result in report["drafters"].items():
+        taus = ", ".join(f"{d} {s['tau']:.2f}" for d, s in result["domains"].items())
+        typer.echo(f"{name}: macro tau {result['macro_tau']:.3f} ({taus}); draft share {result['draft_time_share']:.2f}")
+
+
+def _limit_per_domain(records: list[dict], limit: Optional[int]) -> list[dict]:
+    if limit is None:
+        return records
+    seen: dict[str, int] = {}
+    kept = []
+    for record in records:
+        key = record.get("domain", "unknown")
+        if seen.get(key, 0) < limit:
+            seen[key] = seen.get(key, 0) + 1
+            kept.append(record)
+    return kept

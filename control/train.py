@@ -1,0 +1,126 @@
+"""`dspark-ctl train` (distil drafters) and `dspark-ctl data` (prompts, responses, target cache)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+data_app = typer.Typer(no_args_is_help=True, help="Training data: splits, target responses, target cache.")
+
+DEFAULT_LAYER_IDS = "1,10,19,27"
+
+
+def _target_or_default(target: Optional[str]) -> str:
+    if target:
+        return target
+    from sglang_dspark.training.prepare import default_target_path
+
+    try:
+        return str(default_target_path())
+    except FileNotFoundError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(code=2) from error
+
+
+def train_command(
+    out: str = typer.Option(..., "--out", help="Folder of the drafter (checkpoint, shipped weights, logs)."),
+    cache: str = typer.Option(..., "--cache", help="Target cache folder (dspark-ctl data cache)."),
+    target: Optional[str] = typer.Option(None, "--target", help="Target model folder [default: prepared SmolLM2]."),
+    markov_rank: int = typer.Option(64, "--markov-rank", help="Markov head rank; 0 = no head (DFlash)."),
+    markov_head: str = typer.Option("vanilla", "--markov-head", help="vanilla | gated | rnn."),
+    no_confidence_head: bool = typer.Option(False, "--no-confidence-head"),
+    layers: int = typer.Option(1, "--layers", help="Drafter transformer layers."),
+    block_size: int = typer.Option(7, "--block-size", help="gamma: drafts per block."),
+    twin_out: Optional[str] = typer.Option(None, "--twin-out", help="Also train the DFlash twin (rank 0, no confidence head) here, on the same batches."),
+    steps: int = typer.Option(1000, "--steps", help="Total optimizer steps (a resumed run continues towards it)."),
+    lr: float = typer.Option(1e-3, "--lr"),
+    draft_vocab: int = typer.Option(8192, "--draft-vocab", help="Reduced draft vocabulary size."),
+    anchors: int = typer.Option(64, "--anchors", help="Anchors per sequence."),
+    seqs_per_step: int = typer.Option(4, "--seqs-per-step"),
+    seed: int = typer.Option(0, "--seed"),
+    checkpoint_every: int = typer.Option(100, "--checkpoint-every"),
+    eval_every: int = typer.Option(50, "--eval-every"),
+    time_budget_min: Optional[float] = typer.Option(None, "--time-budget-min", help="Stop (and checkpoint) after this many minutes."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (1 is best on a busy 2-core CPU)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Distil a DSpark drafter (and optionally its DFlash twin) from a cached target."""
+    import torch
+
+    from sglang_dspark.training.target_cache import load_target_cache
+    from sglang_dspark.training.trainer import DrafterSpec, TrainSettings, train_drafters
+
+    if markov_head not in ("vanilla", "gated", "rnn"):
+        raise typer.BadParameter(f"--markov-head must be vanilla, gated or rnn, got {markov_head!r}")
+    if threads:
+        torch.set_num_threads(threads)
+    target_dir = Path(_target_or_default(target))
+    specs = [DrafterSpec(out=out, markov_rank=markov_rank, markov_head_type=markov_head,
+                         confidence_head=not no_confidence_head)]
+    if twin_out:
+        specs.append(DrafterSpec(out=twin_out, markov_rank=0, confidence_head=False))
+    settings = TrainSettings(layers=layers, block_size=block_size, draft_vocab_size=draft_vocab,
+                             anchors_per_seq=anchors, seqs_per_step=seqs_per_step, steps=steps, lr=lr,
+                             seed=seed, checkpoint_every=checkpoint_every, eval_every=eval_every)
+    command = "dspark-ctl " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    summary = train_drafters(load_target_cache(Path(cache)), target_dir, specs, settings, command=command,
+                             time_budget_s=None if time_budget_min is None else time_budget_min * 60,
+                             progress=not as_json)
+    typer.echo(json.dumps(summary, indent=None if as_json else 2))
+
+
+@data_app.command("splits")
+def splits_command(
+    out: str = typer.Option(..., "--out", help="Folder for eval/calibration/train JSONL files."),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Write the prompt splits (eval/calibration are the frozen shipped ones; train is the rest)."""
+    from sglang_dspark.training.data import write_splits
+
+    typer.echo(json.dumps(write_splits(Path(out), seed=seed)["sizes"]))
+
+
+@data_app.command("generate")
+def generate_command(
+    prompts: str = typer.Option(..., "--prompts", help="JSONL with id, domain, prompt."),
+    out: str = typer.Option(..., "--out", help="JSONL of responses (appended; resumable)."),
+    target: Optional[str] = typer.Option(None, "--target"),
+    max_new_tokens: int = typer.Option(192, "--max-new-tokens"),
+    batch_size: int = typer.Option(16, "--batch-size"),
+    temperature: float = typer.Option(0.7, "--temperature"),
+    top_p: float = typer.Option(0.9, "--top-p"),
+    seed: int = typer.Option(0, "--seed"),
+    time_budget_min: Optional[float] = typer.Option(None, "--time-budget-min"),
+    threads: Optional[int] = typer.Option(None, "--threads"),
+) -> None:
+    """Answer training prompts with the target itself (batched bf16 sampling)."""
+    from sglang_dspark.training.data import generate_responses
+
+    summary = generate_responses(_target_or_default(target), Path(prompts), Path(out), max_new_tokens=max_new_tokens,
+                                 batch_size=batch_size, temperature=temperature, top_p=top_p, seed=seed,
+                                 time_budget_s=None if time_budget_min is None else time_budget_min * 60,
+                                 threads=threads)
+    typer.echo(json.dumps(summary))
+
+
+@data_app.command("cache")
+def cache_command(
+    records: str = typer.Option(..., "--records", help="JSONL with id, domain, prompt_ids, response_ids."),
+    out: str = typer.Option(..., "--out", help="Target cache folder (resumable)."),
+    target: Optional[str] = typer.Option(None, "--target"),
+    layer_ids: str = typer.Option(DEFAULT_LAYER_IDS, "--layer-ids", help="Tapped target layers, comma-separated."),
+    top_k: int = typer.Option(64, "--top-k"),
+    max_len: int = typer.Option(448, "--max-len"),
+    threads: Optional[int] = typer.Option(None, "--threads"),
+) -> None:
+    """Run the target once over the records: taps + top-k next-token probabilities per token."""
+    from sglang_dspark.training.target_cache import build_target_cache
+
+    ids = [int(x) for x in layer_ids.split(",") if x.strip()]
+    typer.echo(json.dumps(build_target_cache(_target_or_default(target), Path(records), Path(out), ids,
+                                             top_k=top_k, max_len=max_len, threads=threads)))

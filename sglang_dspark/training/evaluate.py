@@ -1,0 +1,350 @@
+"""Offline evaluation of drafters against their target (dspark-algorithm.md section 6).
+
+Every round of real speculative decoding (``decoding.generate``: drafter proposes gamma tokens,
+the target verifies, rejection sampling or greedy matching) becomes one record. All metrics are
+computed from these records, so they can be recomputed from the JSONL traces we write:
+
+- tau: mean over rounds of accepted drafts + 1 (the correction/bonus token);
+- prefix survival at k: share of rounds with >= k accepted, among rounds that verified >= k drafts;
+- conditional acceptance at k: survival(k) / survival(k-1) (the paper's Figure 2);
+- confidence ECE (20 equal-width bins on the cumulative survival prod sigmoid(z_i / T_i)) with
+  the raw head (T = 1) and with the STS temperatures fitted on the calibration split;
+- draft time share: the drafter's share of the decoding wall time (the drafter is wrapped by a
+  timer), plus a batch-1 microbenchmark of one drafter block against one target decode step.
+
+Trace lines follow the simulator's schema (docs/interfaces.md): ``domain``,
+``confidence_logits`` [gamma], ``accepted_length``, ``verified_length``; plus ``drafter``,
+``prompt_id`` and ``round``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sglang_dspark.calibration.metrics import position_report, prefix_labels
+from sglang_dspark.calibration.sts import CalibrationData, StsCalibration, fit_method
+
+STS_FILE = "sts.json"
+
+
+@dataclass
+class RoundRecord:
+    """One speculative round of one prompt."""
+
+    drafter: str
+    domain: str
+    prompt_id: str
+    round: int
+    verified_length: int
+    accepted_length: int
+    confidence_logits: list[float] | None
+
+    def to_json(self) -> dict:
+        line = {"drafter": self.drafter, "domain": self.domain, "prompt_id": self.prompt_id,
+                "round": self.round, "accepted_length": self.accepted_length,
+                "verified_length": self.verified_length}
+        if self.confidence_logits is not None:
+            line["confidence_logits"] = self.confidence_logits
+        return line
+
+
+class TimedDrafter:
+    """Forwards every attribute to the drafter and times its method calls from the decoder.
+
+    Only calls made *through* this proxy are timed (the decoder's and the draft walk's), so a
+    drafter method calling another is not counted twice.
+    """
+
+    def __init__(self, drafter: torch.nn.Module):
+        object.__setattr__(self, "_drafter", drafter)
+        object.__setattr__(self, "seconds", 0.0)
+
+    def __getattr__(self, name: str):
+        value = getattr(self._drafter, name)
+        if not callable(value) or isinstance(value, torch.nn.Module) or isinstance(value, torch.Tensor):
+            return value
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return value(*args, **kwargs)
+            finally:
+                object.__setattr__(self, "seconds", self.seconds + time.perf_counter() - started)
+
+        return timed
+
+
+# ------------------------------------------------------------------------------------ metrics
+
+
+def tau(records: list[RoundRecord]) -> float:
+    """Mean accepted length including the bonus token."""
+    if not records:
+        return float("nan")
+    return sum(r.accepted_length + 1 for r in records) / len(records)
+
+
+def position_stats(records: list[RoundRecord], gamma: int) -> dict:
+    """Prefix survival and conditional acceptance per position 1..gamma."""
+    survival, conditional = [], []
+    previous = 1.0
+    for k in range(1, gamma + 1):
+        eligible = [r for r in records if r.verified_length >= k]
+        value = sum(r.accepted_length >= k for r in eligible) / len(eligible) if eligible else float("nan")
+        survival.append(value)
+        conditional.append(value / previous if previous > 0 else float("nan"))
+        previous = value
+    return {"prefix_survival": survival, "conditional_acceptance": conditional,
+            "rounds_per_position": [sum(r.verified_length >= k for r in records) for k in range(1, gamma + 1)]}
+
+
+def calibration_data(records: list[RoundRecord]) -> CalibrationData | None:
+    """Rounds with confidence logits as STS input (None when the drafter has no head)."""
+    rows = [r for r in records if r.confidence_logits is not None]
+    if not rows:
+        return None
+    return CalibrationData.from_rounds(
+        torch.tensor([r.confidence_logits for r in rows], dtype=torch.float64),
+        torch.tensor([r.accepted_length for r in rows]),
+        torch.tensor([r.verified_length for r in rows]),
+    )
+
+
+def ece_report(records: list[RoundRecord], calibration: StsCalibration | None) -> dict | None:
+    """Per-position ECE of the cumulative survival, raw (T=1) and with ``calibration``."""
+    data = calibration_data(records)
+    if data is None:
+        return None
+    gamma = data.logits.shape[1]
+    raw = position_report(StsCalibration.identity(gamma).apply(data.logits), data.labels, data.valid)
+    report = {"ece_raw": raw.ece, "mean_ece_raw": raw.mean_ece,
+              "mean_predicted_survival_raw": raw.mean_prediction, "observed_survival": raw.mean_label}
+    if calibration is not None:
+        after = position_report(calibration.apply(data.logits), data.labels, data.valid)
+        report.update(ece_sts=after.ece, mean_ece_sts=after.mean_ece,
+                      mean_predicted_survival_sts=after.mean_prediction)
+    return report
+
+
+def fit_sts(records: list[RoundRecord]) -> StsCalibration:
+    """STS temperatures (one per position, left to right) from calibration-split rounds."""
+    data = calibration_data(records)
+    if data is None:
+        raise ValueError("STS needs a drafter with a confidence head; these rounds carry no logits")
+    return fit_method("sts", data)
+
+
+def summarize(records: list[RoundRecord], gamma: int, calibration: StsCalibration | None) -> dict:
+    """Per-domain and macro metrics of one drafter's records."""
+    domains = sorted({r.domain for r in records})
+    per_domain = {}
+    for domain in domains:
+        subset = [r for r in records if r.domain == domain]
+        per_domain[domain] = {"tau": tau(subset), "rounds": len(subset), **position_stats(subset, gamma)}
+        ece = ece_report(subset, calibration)
+        if ece is not None:
+            per_domain[domain].update(ece)
+    summary = {"domains": per_domain, "macro_tau": statistics.fmean(d["tau"] for d in per_domain.values()),
+               "tau_all_rounds": tau(records), **position_stats(records, gamma)}
+    ece = ece_report(records, calibration)
+    if ece is not None:
+        summary.update(ece)
+    return summary
+
+
+# ------------------------------------------------------------------------------------ running
+
+
+def run_rounds(target, drafter, tokenizer, prompts: list[dict], name: str, temperature: float,
+               max_new_tokens: int, batch_size: int, verify_length: int | None, seed: int,
+               eos_token_id: int | None = None) -> tuple[list[RoundRecord], dict]:
+    """Decode ``prompts`` and record every round.
+
+    A prompt record has ``prompt`` (chat-templated with ``tokenizer``) or ready ``prompt_ids``,
+    and optionally ``domain`` and ``id``.
+    """
+    from sglang_dspark.decoding import generate
+    from sglang_dspark.training.data import chat_ids
+
+    if eos_token_id is None and tokenizer is not None:
+        eos_token_id = tokenizer.eos_token_id
+
+    timed = TimedDrafter(drafter)
+    records: list[RoundRecord] = []
+    started = time.perf_counter()
+    generated = 0
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        ids = [p["prompt_ids"] if "prompt_ids" in p else chat_ids(tokenizer, p["prompt"]) for p in batch]
+        output = generate(target, timed, ids, max_new_tokens, temperature=temperature,
+                          seed=seed + start, verify_lengths=verify_length, eos_token_id=eos_token_id)
+        generated += sum(len(t) for t in output.tokens)
+        for index, round_stats in enumerate(output.rounds):
+            for row, prompt_index in enumerate(round_stats.prompts):
+                logits = None
+                if round_stats.confidence_logits is not None:
+                    logits = [float(x) for x in round_stats.confidence_logits[row]]
+                record = batch[prompt_index]
+                records.append(RoundRecord(
+                    drafter=name, domain=record.get("domain", "unknown"),
+                    prompt_id=str(record.get("id", start + prompt_index)), round=index,
+                    verified_length=int(round_stats.drafted[row]),
+                    accepted_length=int(round_stats.accepted[row]), confidence_logits=logits))
+    wall = time.perf_counter() - started
+    return records, {"wall_seconds": round(wall, 2), "draft_seconds": round(timed.seconds, 2),
+                     "draft_time_share": timed.seconds / wall if wall > 0 else float("nan"),
+                     "generated_tokens": generated, "tokens_per_s": generated / wall if wall > 0 else 0.0}
+
+
+@torch.no_grad()
+def block_cost(target, drafter, context: int = 256, repeats: int = 15, temperature: float = 1.0) -> dict:
+    """Batch-1 medians: one target decode step (q_len 1) vs one drafter block (backbone + walk)."""
+    from transformers import DynamicCache
+
+    from sglang_dspark.decoding import SamplingParams, sample_block
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, 1000, (1, context), generator=generator)
+    cache = DynamicCache()
+    out = target(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    taps = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1)[0]
+    step_times = []
+    for _ in range(repeats + 2):
+        started = time.perf_counter()
+        target(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+        step_times.append(time.perf_counter() - started)
+        cache.crop(context)
+    draft_cache = drafter.new_cache(1, capacity=context + 16)
+    slots = torch.zeros(1, dtype=torch.long)
+    drafter.append_context(draft_cache, slots, taps.to(drafter.dtype), torch.tensor([context]))
+    params = SamplingParams.uniform(1, temperature, 1.0, 0)
+    block_times = []
+    anchor = ids[0, -1:]
+    for _ in range(repeats + 2):
+        started = time.perf_counter()
+        hidden = drafter.forward_block(draft_cache, slots, anchor)
+        sample_block(drafter, hidden, anchor, params, generator)
+        block_times.append(time.perf_counter() - started)
+    target_ms = statistics.median(step_times[2:]) * 1e3
+    block_ms = statistics.median(block_times[2:]) * 1e3
+    return {"context": context, "target_decode_ms": round(target_ms, 2), "draft_block_ms": round(block_ms, 2),
+            "block_over_decode": round(block_ms / target_ms, 3), "threads": torch.get_num_threads()}
+
+
+def plot_conditional_acceptance(results: dict, path: Path, title: str) -> None:
+    """Per-position conditional acceptance, one panel per domain, one line per drafter (Fig. 2)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    domains = sorted({d for r in results.values() for d in r["domains"]})
+    fig, axes = plt.subplots(1, len(domains), figsize=(4.2 * len(domains), 3.6), squeeze=False)
+    for axis, domain in zip(axes[0], domains):
+        for name, result in results.items():
+            stats = result["domains"].get(domain)
+            if stats is None:
+                continue
+            values = stats["conditional_acceptance"]
+            axis.plot(range(1, len(values) + 1), values, marker="o",
+                      label=f"{name} (tau {stats['tau']:.2f})")
+        axis.set_title(domain)
+        axis.set_xlabel("draft position k")
+        axis.set_ylim(0, 1)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    axes[0][0].set_ylabel("P(accept k | 1..k-1 accepted)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def evaluate(target_path: str, drafter_paths: list[str], prompts: list[dict], temperature: float,
+             max_new_tokens: int, batch_size: int = 8, verify_length: int | None = None,
+             seed: int = 0, calibration_prompts: list[dict] | None = None, out_dir: Path | None = None,
+             measure_block_cost: bool = True, threads: int | None = None) -> dict:
+    """Evaluate each drafter on ``prompts``; fit STS first on ``calibration_prompts`` if given.
+
+    Writes ``<out_dir>/eval.json``, ``rounds.jsonl`` (simulator traces) and
+    ``conditional_acceptance.png`` when ``out_dir`` is set. Returns the JSON report.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sglang_dspark.model import load_drafter
+
+    if threads:
+        torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.bfloat16).eval()
+    report: dict = {"target": target_path, "temperature": temperature, "max_new_tokens": max_new_tokens,
+                    "verify_length": verify_length, "prompts": len(prompts), "seed": seed, "drafters": {}}
+    all_records: list[RoundRecord] = []
+    for path in drafter_paths:
+        name = Path(path).name
+        drafter = load_drafter(path, target=target, dtype=torch.bfloat16)
+        gamma = drafter.gamma
+        calibration = _calibration_for(path, drafter, target, tokenizer, calibration_prompts, name,
+                                       temperature, max_new_tokens, batch_size, seed)
+        records, timing = run_rounds(target, drafter, tokenizer, prompts, name, temperature,
+                                     max_new_tokens, batch_size, verify_length, seed)
+        all_records += records
+        result = summarize(records, gamma, calibration)
+        result.update(timing, gamma=gamma, sts=None if calibration is None else calibration.to_json())
+        if measure_block_cost:
+            result["block_cost_batch1"] = block_cost(target, drafter, temperature=temperature)
+        report["drafters"][name] = result
+    names = list(report["drafters"])
+    if len(names) == 2:
+        first, second = (report["drafters"][n]["macro_tau"] for n in names)
+        report["macro_tau_ratio"] = {f"{names[0]}/{names[1]}": first / second}
+    if out_dir is not None:
+        write_outputs(out_dir, report, all_records)
+    return report
+
+
+def write_outputs(out_dir: Path, report: dict, records: list[RoundRecord]) -> None:
+    """``eval.json``, the per-round traces ``rounds.jsonl`` and ``conditional_acceptance.png``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "rounds.jsonl", "w") as handle:
+        for record in records:
+            handle.write(json.dumps(record.to_json()) + "\n")
+    plot_conditional_acceptance(report["drafters"], out_dir / "conditional_acceptance.png",
+                                f"conditional acceptance, T={report['temperature']}")
+    (out_dir / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def read_traces(path: Path) -> list[RoundRecord]:
+    """Round records back from ``rounds.jsonl``."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            raw = json.loads(line)
+            records.append(RoundRecord(drafter=raw["drafter"], domain=raw["domain"], prompt_id=raw["prompt_id"],
+                                       round=raw["round"], verified_length=raw["verified_length"],
+                                       accepted_length=raw["accepted_length"],
+                                       confidence_logits=raw.get("confidence_logits")))
+    return records
+
+
+def _calibration_for(path: str, drafter, target, tokenizer, calibration_prompts, name, temperature,
+                     max_new_tokens, batch_size, seed) -> StsCalibration | None:
+    """Fit STS on the calibration prompts (saved as ``<drafter>/sts.json``) or load a saved one."""
+    if not drafter.has_confidence_head:
+        return None
+    sts_path = Path(path) / STS_FILE
+    if calibration_prompts:
+        records, _ = run_rounds(target, drafter, tokenizer, calibration_prompts, name, temperature,
+                                max_new_tokens, batch_size, None, seed + 100_000)
+        calibration = fit_sts(records)
+        calibration.save(sts_path)
+        return calibration
+    if sts_path.exists():
+        return StsCalibration.load(sts_path)
+    return None

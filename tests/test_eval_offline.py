@@ -1,0 +1,65 @@
+"""The offline evaluator: tau and curves are exactly what its own per-round records say."""
+
+import json
+
+import pytest
+import torch
+
+from sglang_dspark.calibration.sts import StsCalibration
+from sglang_dspark.scheduling.traces import FileTraces
+from sglang_dspark.training.evaluate import (
+    position_stats, read_traces, run_rounds, summarize, tau, write_outputs,
+)
+from tests.tiny import make_tiny_drafter, make_tiny_target
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _prompts():
+    generator = torch.Generator().manual_seed(3)
+    return [{"id": f"p{i}", "domain": ("math", "chat")[i % 2],
+             "prompt_ids": torch.randint(3, 500, (6 + i,), generator=generator).tolist()} for i in range(4)]
+
+
+def test_tau_equals_the_records_and_survives_the_trace_file(tmp_path):
+    target = make_tiny_target(seed=0)
+    drafter = make_tiny_drafter(target, seed=1, gamma=4)
+    records, timing = run_rounds(target, drafter, None, _prompts(), "dspark", temperature=1.0,
+                                 max_new_tokens=24, batch_size=2, verify_length=None, seed=0)
+    # every generated token is one accepted draft or one bonus/correction token of some round,
+    # except the first token (sampled at prefill) and drafts cut at max_new_tokens
+    assert timing["generated_tokens"] == 4 * 24
+    assert sum(r.accepted_length + 1 for r in records) >= 4 * 24 - 4
+    summary = summarize(records, 4, StsCalibration.identity(4))
+    by_hand = sum(r.accepted_length + 1 for r in records) / len(records)
+    assert summary["tau_all_rounds"] == pytest.approx(by_hand)
+    for domain in ("math", "chat"):
+        subset = [r for r in records if r.domain == domain]
+        assert summary["domains"][domain]["tau"] == pytest.approx(
+            sum(r.accepted_length + 1 for r in subset) / len(subset))
+    report = {"temperature": 1.0, "drafters": {"dspark": summary}}
+    write_outputs(tmp_path, report, records)
+    again = read_traces(tmp_path / "rounds.jsonl")
+    assert tau(again) == pytest.approx(summary["tau_all_rounds"])
+    assert position_stats(again, 4) == position_stats(records, 4)
+    assert (tmp_path / "conditional_acceptance.png").stat().st_size > 1000
+    FileTraces(tmp_path / "rounds.jsonl")  # the simulator accepts our traces
+    assert 0.0 < timing["draft_time_share"] < 1.0
+
+
+def test_position_stats_follow_the_definitions():
+    from sglang_dspark.training.evaluate import RoundRecord
+
+    def rec(accepted, verified=3):
+        return RoundRecord("d", "chat", "p", 0, verified, accepted, None)
+
+    stats = position_stats([rec(0), rec(1), rec(3), rec(3), rec(2, verified=2)], 3)
+    assert stats["prefix_survival"] == pytest.approx([4 / 5, 3 / 5, 2 / 4])
+    assert stats["conditional_acceptance"] == pytest.approx([4 / 5, 3 / 4, (2 / 4) / (3 / 5)])
+    assert tau([rec(0), rec(3)]) == 2.5
