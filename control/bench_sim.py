@@ -46,7 +46,9 @@ def _load_model(path: Path, what: str) -> Any:
 
 
 def plan_speed(batch: int, gamma: int, iterations: int, seed: int = 0) -> dict[str, Any]:
-    """Median wall time of each planner call at (batch, gamma), with the measured CPU table."""
+    """Median wall time (and thread CPU time: on a shared machine wall time includes waiting for
+    a core) of each planner call at (batch, gamma), with the measured CPU table. `scheduled_step`
+    is the worker's whole per-step planner work: decide + fill + publish."""
     import torch
 
     from sglang_dspark.scheduling.cost_model import load_cost_model
@@ -82,13 +84,15 @@ def plan_speed(batch: int, gamma: int, iterations: int, seed: int = 0) -> dict[s
     for name, call in (("algorithm1", algorithm1), ("scheduled_step", production)):
         for i in range(20):
             call(i)
-        times = []
+        times, cpu_times = [], []
         for i in range(iterations):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             call(i)
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.thread_time() - cpu_start)
         report[f"{name}_median_us"] = round(statistics.median(times) * 1e6, 1)
         report[f"{name}_p90_us"] = round(sorted(times)[int(0.9 * len(times))] * 1e6, 1)
+        report[f"{name}_cpu_median_us"] = round(statistics.median(cpu_times) * 1e6, 1)
     return report
 
 
@@ -205,7 +209,9 @@ def sim(
     if planner_bench:
         report["planner_benchmark"] = plan_speed(64, gamma, 300)
     if plot is not None:
-        _plot(results, plot, f"{target.metadata.get('model', {}).get('name', 'target') if isinstance(target.metadata.get('model'), dict) else 'target'}: aggregate vs per-user tokens/s")
+        model = target.metadata.get("model")
+        name = model.get("name", "target") if isinstance(model, dict) else str(model)
+        _plot(results, plot, f"{name} on {sps.name}: aggregate vs per-user tokens/s")
         report["plot"] = str(plot)
     text = json.dumps(report, indent=1)
     if out is not None:

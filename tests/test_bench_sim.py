@@ -105,3 +105,24 @@ def test_cli_refuses_a_bad_cost_model_with_the_reason(tmp_path):
                                "metadata": {}, "batch_tokens": [1], "steps_per_second": [1.0]}))
     result = CliRunner().invoke(app, ["bench", "sim", "--sps", str(bad), "--json"])
     assert result.exit_code != 0 and "metadata lacks" in result.output
+
+
+@pytest.mark.slow
+def test_scheduler_moves_the_pareto_frontier_on_the_measured_cpu_profile():
+    """Issue 3's acceptance claims, re-run on the shipped CPU profiles (about 2-4 minutes)."""
+    from sglang_dspark.scheduling.cost_model import load_cost_model
+    from sglang_dspark.scheduling.simulator import POLICIES, matched_throughput
+
+    target = load_cost_model(PROFILES / "cpu-smollm2-135m-target-context.json")
+    drafter = load_cost_model(PROFILES / "cpu-smollm2-135m-drafter-context.json")
+    results = [
+        simulate(policy, c, target, drafter, SyntheticTraces(seed=0), SimSettings(seed=0))
+        for c in (1, 2, 4, 8, 16, 32, 64)
+        for policy in POLICIES
+    ]
+    by = {(r.policy, r.concurrency): r for r in results}
+    for c in (1, 2, 4, 8, 16, 32, 64):
+        best = max(by[("no_spec", c)].aggregate_tps, by[("static_7", c)].aggregate_tps)
+        assert by[("scheduled", c)].aggregate_tps >= best, f"concurrency {c}"
+    matched = matched_throughput(results)
+    assert matched and max(m["ratio"] for m in matched) >= 1.3

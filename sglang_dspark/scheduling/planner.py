@@ -248,8 +248,10 @@ def decide_capacity(
     theta = torch.where(usable[:, None], theta, torch.full_like(theta, -1.0))
     start_theta = torch.where(usable, start_theta, torch.full_like(start_theta, -1.0))
     full = torch.cat([start_theta[:, None], theta], dim=1)  # [w, 1 + n]
-    best = int(torch.argmax(full.reshape(-1)))
-    width, index = divmod(best, full.shape[1])
+    # ties go to the wider block: same objective, fresher survivals for later decisions
+    best = int(torch.argmax(full.flip(0).reshape(-1)))
+    flipped_width, index = divmod(best, full.shape[1])
+    width = gamma - flipped_width
     admitted = 0 if index == 0 else int(count[width, index - 1])
     step_seconds = float(start_seconds[width]) if index == 0 else float(seconds[width, index - 1])
     return CapacityDecision(
