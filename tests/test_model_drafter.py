@@ -138,6 +138,7 @@ def test_blocks_never_enter_the_cache_and_truncate_rewinds(target, sequences) ->
     torch.testing.assert_close(drafter.forward_block(cache, [0], ids[0, 10:11]), first, atol=ATOL, rtol=0)
     cache.reset([0])
     assert cache.lengths.tolist() == [0]
+    assert drafter.forward_block(cache, torch.zeros(0, dtype=torch.long), torch.zeros(0)).shape == (0, 4, 64)
     with pytest.raises(ValueError, match=r"new_lengths"):
         cache.truncate([0], [3])
 

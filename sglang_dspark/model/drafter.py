@@ -279,6 +279,8 @@ class DSparkDrafter(nn.Module):
         anchors = torch.as_tensor(anchors, dtype=torch.long, device=self.device).reshape(-1)
         if anchors.shape != slots.shape:
             raise ValueError(f"{anchors.numel()} anchors for {slots.numel()} slots: expected one per slot")
+        if slots.numel() == 0:
+            return self.fc.weight.new_empty((0, self.gamma, self.config.hidden_size))
         starts = cache.lengths[slots]
         context_len = int(starts.max())
         hidden, cos, sin = self._embed_blocks(anchors.unsqueeze(-1), starts.unsqueeze(-1))
@@ -320,18 +322,16 @@ class DSparkDrafter(nn.Module):
         anchors = anchor_positions.to(device=self.device, dtype=torch.long)
         if anchors.numel() and (int(anchors.min()) < 0 or int(anchors.max()) >= seq_len):
             raise ValueError(f"anchor positions must lie in [0, {seq_len - 1}]")
-        gamma, num_blocks = self.gamma, anchors.shape[1]
         context = self.project_context(taps.to(self.device))
         ctx_cos, ctx_sin = self.rotary.cos_sin(torch.arange(seq_len, device=self.device), self.dtype)
         anchor_tokens = input_ids.to(self.device).gather(1, anchors)
-        hidden, cos, sin = self._embed_blocks(anchor_tokens, anchors)
-        flat = (num_seqs, num_blocks * gamma)
-        hidden, cos, sin = hidden.reshape(flat + hidden.shape[-1:]), cos.reshape(flat + cos.shape[-2:]), sin.reshape(flat + sin.shape[-2:])
+        # blocks side by side on one query axis: [S, N, gamma, ...] -> [S, N * gamma, ...]
+        hidden, cos, sin = (t.flatten(1, 2) for t in self._embed_blocks(anchor_tokens, anchors))
         mask = self._train_mask(anchors, seq_len)
         for layer in self.layers:
             ctx_k, ctx_v = layer.self_attn.key_value(context, ctx_cos, ctx_sin)
             hidden = layer(hidden, cos, sin, ctx_k, ctx_v, mask)
-        out = self.norm(hidden).reshape(num_seqs, num_blocks, gamma, -1)
+        out = self.norm(hidden).reshape(num_seqs, anchors.shape[1], self.gamma, -1)
         return out[0] if unbatched else out
 
     def _embed_blocks(
