@@ -254,3 +254,24 @@ def test_importing_the_model_package_leaves_sglang_out() -> None:
     code = "import sys, sglang_dspark.model; print('sglang' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_a_qwen3_target_gets_a_matching_drafter() -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from sglang_dspark.model import DSparkDrafter, taps_from_hidden_states
+
+    config = Qwen3Config(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=6,
+                         num_attention_heads=6, num_key_value_heads=2, head_dim=16, rope_theta=1e6,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        target = Qwen3ForCausalLM(config).eval()
+        drafter = DSparkDrafter.for_target(target, num_draft_layers=2, block_size=7, mask_token_id=255, markov_rank=8)
+    assert drafter.target_layer_ids == (1, 3) and drafter.config.rope_theta == 1e6
+    assert (drafter.config.head_dim, drafter.config.num_key_value_heads) == (16, 2)
+    ids = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        taps = taps_from_hidden_states(target(ids, output_hidden_states=True).hidden_states, drafter.target_layer_ids)
+    got = draft_alone(drafter, taps[0, :11], int(ids[0, 11]))
+    torch.testing.assert_close(got, reference_block(drafter, taps[0, :11], int(ids[0, 11])), atol=ATOL, rtol=0)
