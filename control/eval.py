@@ -21,7 +21,7 @@ def eval_command(
     batch_size: int = typer.Option(8, "--batch-size"),
     seed: int = typer.Option(0, "--seed"),
     calibrate: bool = typer.Option(False, "--calibrate", help="Fit STS on the calibration split first and save <draft>/sts.json."),
-    out: Optional[str] = typer.Option(None, "--out", help="Folder for eval.json, rounds.jsonl and the PNG."),
+    out: Optional[str] = typer.Option(None, "--out", help="Folder for eval.json, rounds-<drafter>.jsonl traces and the PNG."),
     threads: Optional[int] = typer.Option(None, "--threads"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:

@@ -117,10 +117,13 @@ def cache_command(
     top_k: int = typer.Option(64, "--top-k"),
     max_len: int = typer.Option(448, "--max-len"),
     threads: Optional[int] = typer.Option(None, "--threads"),
+    time_budget_min: Optional[float] = typer.Option(None, "--time-budget-min"),
 ) -> None:
     """Run the target once over the records: taps + top-k next-token probabilities per token."""
     from sglang_dspark.training.target_cache import build_target_cache
 
     ids = [int(x) for x in layer_ids.split(",") if x.strip()]
+    budget = None if time_budget_min is None else time_budget_min * 60
     typer.echo(json.dumps(build_target_cache(_target_or_default(target), Path(records), Path(out), ids,
-                                             top_k=top_k, max_len=max_len, threads=threads)))
+                                             top_k=top_k, max_len=max_len, threads=threads,
+                                             time_budget_s=budget)))

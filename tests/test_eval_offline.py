@@ -45,11 +45,11 @@ def test_tau_equals_the_records_and_survives_the_trace_file(tmp_path):
             sum(r.accepted_length + 1 for r in subset) / len(subset))
     report = {"temperature": 1.0, "drafters": {"dspark": summary}}
     write_outputs(tmp_path, report, records)
-    again = read_traces(tmp_path / "rounds.jsonl")
+    again = read_traces(tmp_path / "rounds-dspark.jsonl")
     assert tau(again) == pytest.approx(summary["tau_all_rounds"])
     assert position_stats(again, 4) == position_stats(records, 4)
     assert (tmp_path / "conditional_acceptance.png").stat().st_size > 1000
-    FileTraces(tmp_path / "rounds.jsonl")  # the simulator accepts our traces
+    FileTraces(tmp_path / "rounds-dspark.jsonl")  # the simulator accepts our traces
     assert 0.0 < timing["draft_time_share"] < 1.0
 
 

@@ -13,8 +13,8 @@ computed from these records, so they can be recomputed from the JSONL traces we 
   timer), plus a batch-1 microbenchmark of one drafter block against one target decode step.
 
 Trace lines follow the simulator's schema (docs/interfaces.md): ``domain``,
-``confidence_logits`` [gamma], ``accepted_length``, ``verified_length``; plus ``drafter``,
-``prompt_id`` and ``round``.
+``confidence_logits`` [gamma] (drafters with a confidence head), ``accepted_length``,
+``verified_length``, ``request_id`` (the prompt) and ``step`` (the round); plus ``drafter``.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class RoundRecord:
     confidence_logits: list[float] | None
 
     def to_json(self) -> dict:
-        line = {"drafter": self.drafter, "domain": self.domain, "prompt_id": self.prompt_id,
-                "round": self.round, "accepted_length": self.accepted_length,
+        line = {"drafter": self.drafter, "domain": self.domain, "request_id": self.prompt_id,
+                "step": self.round, "accepted_length": self.accepted_length,
                 "verified_length": self.verified_length}
         if self.confidence_logits is not None:
             line["confidence_logits"] = self.confidence_logits
@@ -272,7 +272,7 @@ def evaluate(target_path: str, drafter_paths: list[str], prompts: list[dict], te
              measure_block_cost: bool = True, threads: int | None = None) -> dict:
     """Evaluate each drafter on ``prompts``; fit STS first on ``calibration_prompts`` if given.
 
-    Writes ``<out_dir>/eval.json``, ``rounds.jsonl`` (simulator traces) and
+    Writes ``<out_dir>/eval.json``, ``rounds-<drafter>.jsonl`` (simulator traces) and
     ``conditional_acceptance.png`` when ``out_dir`` is set. Returns the JSON report.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -310,24 +310,27 @@ def evaluate(target_path: str, drafter_paths: list[str], prompts: list[dict], te
 
 
 def write_outputs(out_dir: Path, report: dict, records: list[RoundRecord]) -> None:
-    """``eval.json``, the per-round traces ``rounds.jsonl`` and ``conditional_acceptance.png``."""
+    """``eval.json``, per-drafter round traces ``rounds-<drafter>.jsonl`` (the simulator's
+    schema, docs/interfaces.md) and ``conditional_acceptance.png``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "rounds.jsonl", "w") as handle:
-        for record in records:
-            handle.write(json.dumps(record.to_json()) + "\n")
+    for name in dict.fromkeys(r.drafter for r in records):
+        with open(out_dir / f"rounds-{name}.jsonl", "w") as handle:
+            for record in records:
+                if record.drafter == name:
+                    handle.write(json.dumps(record.to_json()) + "\n")
     plot_conditional_acceptance(report["drafters"], out_dir / "conditional_acceptance.png",
                                 f"conditional acceptance, T={report['temperature']}")
     (out_dir / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 def read_traces(path: Path) -> list[RoundRecord]:
-    """Round records back from ``rounds.jsonl``."""
+    """Round records back from a ``rounds-<drafter>.jsonl`` trace."""
     records = []
     for line in Path(path).read_text().splitlines():
         if line.strip():
             raw = json.loads(line)
-            records.append(RoundRecord(drafter=raw["drafter"], domain=raw["domain"], prompt_id=raw["prompt_id"],
-                                       round=raw["round"], verified_length=raw["verified_length"],
+            records.append(RoundRecord(drafter=raw["drafter"], domain=raw["domain"], prompt_id=raw["request_id"],
+                                       round=raw["step"], verified_length=raw["verified_length"],
                                        accepted_length=raw["accepted_length"],
                                        confidence_logits=raw.get("confidence_logits")))
     return records

@@ -71,10 +71,14 @@ def build_target_cache(
     top_k: int = 64,
     max_len: int = 512,
     tokens_per_batch: int = 4096,
-    shard_tokens: int = 131072,
+    shard_tokens: int = 16384,
     threads: int | None = None,
+    time_budget_s: float | None = None,
 ) -> dict:
-    """Run the target over every not-yet-cached response and append shards; returns a summary."""
+    """Run the target over every not-yet-cached response and append shards; returns a summary.
+
+    With ``time_budget_s`` it stops after the batch that crosses the budget and flushes what it has.
+    """
     from transformers import AutoModelForCausalLM
 
     if threads:
@@ -94,6 +98,8 @@ def build_target_cache(
                for r in sorted(records[start : start + window],
                                key=lambda r: len(r["prompt_ids"]) + len(r["response_ids"]))]
     for batch in _token_batches(records, tokens_per_batch, max_len):
+        if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
+            break
         pending.extend(_run_target(model, batch, layer_ids, top_k, max_len))
         if sum(len(p["input_ids"]) for p in pending) >= shard_tokens:
             new_tokens += _write_shard(cache_dir, index, pending)
@@ -147,8 +153,9 @@ def _run_target(model, batch: list[dict], layer_ids: list[int], top_k: int, max_
         attention[row, : len(seq)] = 1
     out = model(input_ids=ids, attention_mask=attention, output_hidden_states=True)
     taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16)
-    probs = torch.softmax(out.logits.float(), dim=-1)
-    top_p, top_i = probs.topk(top_k, dim=-1)
+    logits = out.logits.float()
+    top_logits, top_i = logits.topk(top_k, dim=-1)  # softmax is monotone: same ids, one pass less
+    top_p = torch.exp(top_logits - torch.logsumexp(logits, dim=-1, keepdim=True))
     results = []
     for row, (record, seq) in enumerate(zip(batch, sequences)):
         n = len(seq)
