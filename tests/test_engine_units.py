@@ -90,3 +90,21 @@ def test_recorder_keeps_a_bounded_ring_but_totals_everything(tmp_path):
     summary = recorder.summary()
     assert summary["decode_steps"] == 10 and summary["tau"] == 2.0
     assert len(log.read_text().splitlines()) == 10
+
+
+def test_verify_spans_come_from_the_extend_fields_of_a_verify_forward_only():
+    from types import SimpleNamespace
+
+    from sglang_dspark.engine.verify_attention import verify_spans
+
+    class Mode:
+        def __init__(self, verify):
+            self.verify = verify
+
+        def is_target_verify(self):
+            return self.verify
+
+    batch = SimpleNamespace(forward_mode=Mode(True), extend_prefix_lens_cpu=[7, 0], extend_seq_lens_cpu=[3, 5])
+    assert verify_spans(batch) == [(7, 3), (0, 5)]
+    batch.forward_mode = Mode(False)
+    assert verify_spans(batch) is None

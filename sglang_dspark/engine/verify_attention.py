@@ -15,8 +15,22 @@ import types
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-VERIFY_SPANS_ATTR = "dspark_verify_spans"
-"""ForwardBatch attribute the worker sets: per request (prefix_len, window_len) as host ints."""
+
+
+def verify_spans(forward_batch) -> list[tuple[int, int]] | None:
+    """Per request (prefix_len, window_len) of a DSPARK_LIVE verify, or None for any other forward.
+
+    The worker shapes its TARGET_VERIFY forward as an extend over the prefix, so the spans travel
+    in the standard `extend_prefix_lens_cpu`/`extend_seq_lens_cpu` fields: SGLang's eager runner
+    copies the ForwardBatch into static buffers before the model runs, and only dataclass fields
+    survive that copy.
+    """
+    if not forward_batch.forward_mode.is_target_verify():
+        return None
+    prefix, window = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
+    if prefix is None or window is None:
+        return None
+    return list(zip(prefix, window))
 
 
 def verify_attention(
@@ -63,11 +77,12 @@ def install(backend) -> None:
     original_forward_extend = backend.forward_extend
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        spans = getattr(forward_batch, VERIFY_SPANS_ATTR, None)
+        spans = verify_spans(forward_batch)
         plain_layer = not layer.is_cross_attention and layer.qk_head_dim == layer.v_head_dim and (
             layer.sliding_window_size is None or layer.sliding_window_size < 0)
-        if spans is None or not forward_batch.forward_mode.is_target_verify() or not plain_layer:
+        if spans is None or not plain_layer:
             return original_forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        self.dspark_linear_verify_calls += 1
         if save_kv_cache and k is not None and v is not None:
             from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
@@ -86,3 +101,9 @@ def install(backend) -> None:
 
     backend.forward_extend = types.MethodType(forward_extend, backend)
     backend._dspark_linear_verify = True
+    backend.dspark_linear_verify_calls = 0
+
+
+def linear_calls(backends) -> int:
+    """Layer calls served by the linear verify attention so far (the worker checks it moved)."""
+    return sum(getattr(backend, "dspark_linear_verify_calls", 0) for backend in backends)

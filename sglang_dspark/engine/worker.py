@@ -225,13 +225,15 @@ class DSparkLiveWorker(BaseSpecWorker):
             speculative_num_draft_tokens=self.stride,
         )
 
+    def _attention_backends(self) -> list:
+        runner = self.model_runner
+        return list({id(b): b for b in (runner.attn_backend, getattr(runner, "decode_attn_backend", None)) if b}.values())
+
     def _install_verify_attention(self) -> None:
         """Wrap the target's attention backends (they exist only after SGLang's late init)."""
-        if self.settings.verify_attention != "linear":
-            return
-        for backend in {id(b): b for b in (self.model_runner.attn_backend,
-                                           getattr(self.model_runner, "decode_attn_backend", None)) if b}.values():
-            verify_attention.install(backend)
+        if self.settings.verify_attention == "linear":
+            for backend in self._attention_backends():
+                verify_attention.install(backend)
 
     def _verify_forward(self, batch: ScheduleBatch, slots: torch.Tensor, seq_lens: torch.Tensor,
                         bonus: torch.Tensor, drafts: torch.Tensor, verify_lens: torch.Tensor):
@@ -258,6 +260,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         batch.out_cache_loc = out_cache_loc.to(self.device)
         batch.spec_info = DFlashVerifyInput(draft_token=input_ids, positions=positions.to(self.device),
                                             draft_token_num=self.stride, capture_hidden_mode=CaptureHiddenMode.FULL)
+        calls_before = verify_attention.linear_calls(self._attention_backends())
         try:
             forward_batch = ForwardBatch.init_new(batch, self.model_runner, capture_hidden_mode=CaptureHiddenMode.FULL,
                                                   return_hidden_states_before_norm=False)
@@ -266,6 +269,10 @@ class DSparkLiveWorker(BaseSpecWorker):
                                                                   is_verify=True)
         finally:
             batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info = saved
+        if self.settings.verify_attention == "linear" and (
+                verify_attention.linear_calls(self._attention_backends()) == calls_before):
+            raise RuntimeError("DSPARK_LIVE verify: the linear verify attention was not used (SGLang's "
+                               "forward path changed?); set DSPARK_VERIFY_ATTENTION=native to serve anyway")
         output = result.logits_output
         logits = output.next_token_logits[:, : self.vocab_size]
         if output.hidden_states is None or output.hidden_states.shape[0] != logits.shape[0]:
@@ -300,8 +307,8 @@ def _reshape_as_extend(forward_batch: ForwardBatch, seq_lens: torch.Tensor, wind
                        device) -> None:
     """Give the TARGET_VERIFY forward the extend-over-prefix fields attention backends read.
 
-    The linear verify attention reads only the spans; SGLang's own torch_native extend (the
-    `DSPARK_VERIFY_ATTENTION=native` path) reads the extend fields and the grown seq_lens.
+    The linear verify attention reads the spans from the `*_cpu` extend fields; SGLang's own
+    torch_native extend (`DSPARK_VERIFY_ATTENTION=native`) reads the tensors and grown seq_lens.
     """
     total = seq_lens + window_lens
     forward_batch.extend_prefix_lens = seq_lens.to(device=device, dtype=torch.int32)
@@ -313,8 +320,6 @@ def _reshape_as_extend(forward_batch: ForwardBatch, seq_lens: torch.Tensor, wind
     forward_batch.seq_lens = total.to(device=device, dtype=forward_batch.seq_lens.dtype)
     forward_batch.seq_lens_cpu = total.clone()
     forward_batch.seq_lens_sum = int(total.sum())
-    setattr(forward_batch, verify_attention.VERIFY_SPANS_ATTR,
-            list(zip(seq_lens.tolist(), window_lens.tolist())))
 
 
 def _pad_rows(packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
