@@ -154,7 +154,8 @@ def bench_serve_command(
 ) -> None:
     """Plain serving vs DSPARK_LIVE: tokens/s, per-user tokens/s, tau, verify tokens per step."""
     target = model_path or prepared_target_path()
-    drafter_path = drafter or (str(find_shipped_drafter(target)) if find_shipped_drafter(target) else None)
+    shipped = find_shipped_drafter()
+    drafter_path = drafter or (str(shipped) if shipped else None)
     wanted = [a.strip() for a in arms.split(",") if a.strip()]
     if any(a not in ("plain", "dspark") for a in wanted):
         raise typer.BadParameter(f"--arms {arms!r}: expected a comma list of plain, dspark")

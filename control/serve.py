@@ -67,7 +67,7 @@ class ServerLaunch:
         return f"http://{self.host}:{self.port}"
 
 
-def find_shipped_drafter(target_path: str | None = None) -> Path | None:
+def find_shipped_drafter() -> Path | None:
     """The drafter this repository ships for the default target (a folder with config.json)."""
     for folder in DRAFTER_SEARCH:
         root = REPO_ROOT / folder
@@ -139,7 +139,7 @@ def serve_command(
     target = model_path or prepared_target_path()
     drafter_path = None
     if not no_speculation:
-        found = drafter or find_shipped_drafter(target)
+        found = drafter or find_shipped_drafter()
         if found is None:
             typer.echo("error: no drafter given and none shipped under drafters/ or profiles/; "
                        "pass --drafter PATH or --no-speculation", err=True)

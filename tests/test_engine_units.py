@@ -108,3 +108,26 @@ def test_verify_spans_come_from_the_extend_fields_of_a_verify_forward_only():
     assert verify_spans(batch) == [(7, 3), (0, 5)]
     batch.forward_mode = Mode(False)
     assert verify_spans(batch) is None
+
+
+def test_production_planner_spends_a_lagged_capacity_on_this_steps_best_survivals(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from sglang_dspark.engine.planning import VerifyPlanner
+
+    profile = Path(__file__).resolve().parent.parent / "profiles" / "cpu-smollm2-135m-target-context.json"
+    monkeypatch.setenv("DSPARK_SPS_PATH", str(profile))
+    monkeypatch.setenv("DSPARK_PLANNER", "production")
+    planner = VerifyPlanner(load_settings(_draft_folder(tmp_path, block_size=7)))
+    rids = ["a", "b", "c"]
+    confident = torch.tensor([[6.0] * 7, [-6.0] * 7, [0.0] * 7])
+    context = torch.tensor([100, 200, 300])
+    plans = [planner.plan(rids, confident, context) for _ in range(4)]
+    first = plans[0]
+    assert first.capacity == 21, "before any history the capacity is verify-all"
+    assert first.verify_lens.tolist() == [7, 7, 7]
+    for plan in plans[2:]:
+        assert 0 <= plan.capacity <= 21 and plan.predicted_seconds > 0
+        assert int(plan.verify_lens.sum()) == plan.capacity
+        # the global top-K goes to the confident request first, the hopeless one last
+        assert plan.verify_lens[0] >= plan.verify_lens[2] >= plan.verify_lens[1]
