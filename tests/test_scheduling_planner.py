@@ -181,7 +181,7 @@ def test_two_step_planner_uses_old_survivals_and_a_prior_for_new_requests():
     cost = affine()
     confident = torch.full((4, 7), 0.99).cumprod(dim=1)
     doubtful = torch.full((4, 7), 0.2).cumprod(dim=1)
-    planner = TwoStepCapacityPlanner(cost, gamma=7, lag=2, window=1)
+    planner = TwoStepCapacityPlanner(cost, gamma=7, lag=2, window=1, long_run=False)
     ids = ["a", "b", "c", "d"]
     assert planner.decide(ids).capacity == 28  # nothing known yet: optimistic prior
     planner.publish(ids, confident)

@@ -26,6 +26,7 @@ the anchor/bonus position is always verified on top of them.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Sequence
@@ -210,6 +211,7 @@ def decide_capacity(
     max_lens: torch.Tensor | int | None = None,
     survival_eps: float = DEFAULT_SURVIVAL_EPS,
     require_draft: bool = False,
+    throughput: float | None = None,
 ) -> CapacityDecision:
     """Choose (K, draft width) maximising expected tokens/s, global argmax (no early stop: jagged
     tables have local maxima).
@@ -220,7 +222,10 @@ def decide_capacity(
     tokens are, K and the width are already fixed: the pair with `fill_capacity` is
     non-anticipating. draft_seconds: per-step drafter time, charged only when drafting (a scalar),
     or per width w = 0..gamma (a drafter that can run a shorter block). require_draft: exclude
-    width 0 (the planner's periodic exploration)."""
+    width 0 (the planner's periodic exploration). throughput: the long-run tokens/s lambda; when
+    given, maximise expected tokens - lambda * seconds instead of this step's ratio (Dinkelbach:
+    the step that maximises the long-run ratio sum(tokens) / sum(seconds); the per-step ratio
+    over-verifies doubtful steps and under-verifies confident ones when steps differ a lot)."""
     if survivals.dim() == 3 and survivals.shape[0] >= 1:
         survivals = survivals.mean(dim=0)  # each request's mean survival curve over the steps
     low, high = _check_inputs(survivals, min_lens, max_lens)
@@ -240,13 +245,18 @@ def decide_capacity(
     tokens = batch + forced_count + torch.arange(path.values.numel() + 1, dtype=torch.float64)
     target_seconds = cost_model.step_seconds(batch, tokens, context_tokens) + fixed_seconds
     seconds = target_seconds[count] + costs[:, None]
-    theta = torch.where(kept, (base_tau + gain) / seconds, torch.full_like(seconds, -1.0))
     start_seconds = target_seconds[0] + costs  # [w]: admit nothing beyond the forced drafts
-    start_theta = base_tau / start_seconds
+    if throughput is None:
+        theta, start_theta = (base_tau + gain) / seconds, base_tau / start_seconds
+    else:
+        theta = (base_tau + gain) - throughput * seconds
+        start_theta = base_tau - throughput * start_seconds
+    never = torch.full_like(theta, -float("inf"))
+    theta = torch.where(kept, theta, never)
     min_width = max(int(low.max()), 1 if require_draft else 0)
     usable = widths >= min_width
-    theta = torch.where(usable[:, None], theta, torch.full_like(theta, -1.0))
-    start_theta = torch.where(usable, start_theta, torch.full_like(start_theta, -1.0))
+    theta = torch.where(usable[:, None], theta, never)
+    start_theta = torch.where(usable, start_theta, torch.full_like(start_theta, -float("inf")))
     full = torch.cat([start_theta[:, None], theta], dim=1)  # [w, 1 + n]
     # ties go to the wider block: same objective, fresher survivals for later decisions
     best = int(torch.argmax(full.flip(0).reshape(-1)))
@@ -254,10 +264,11 @@ def decide_capacity(
     width = gamma - flipped_width
     admitted = 0 if index == 0 else int(count[width, index - 1])
     step_seconds = float(start_seconds[width]) if index == 0 else float(seconds[width, index - 1])
+    expected = base_tau + (0.0 if index == 0 else float(gain[width, index - 1]))
     return CapacityDecision(
         capacity=forced_count + admitted,
         draft_width=width,
-        expected_tokens=float(full[width, index]) * step_seconds,
+        expected_tokens=expected,
         step_seconds=step_seconds,
     )
 
@@ -321,6 +332,9 @@ class TwoStepCapacityPlanner:
     conditional confidence (1.0 until anything is known: optimistic, so the planner explores).
     After `explore_every` consecutive skipped drafts the next step drafts anyway, so a planner
     that turned speculation off notices when drafts become worth verifying again.
+    With `long_run` (default) each decision maximises expected tokens - lambda * seconds, lambda
+    the running tokens/s of its recent decisions (see `decide_capacity`): the long-run rate, not
+    one step's, is what aggregate and per-user speed are made of.
     """
 
     def __init__(
@@ -333,6 +347,8 @@ class TwoStepCapacityPlanner:
         survival_eps: float = DEFAULT_SURVIVAL_EPS,
         explore_every: int = 64,
         prior_decay: float = 0.05,
+        long_run: bool = True,
+        throughput_decay: float = 0.05,
     ) -> None:
         if lag < 1 or gamma < 1 or window < 1 or explore_every < 1:
             raise PlannerError(
@@ -346,6 +362,10 @@ class TwoStepCapacityPlanner:
         self._history: deque[_Snapshot] = deque(maxlen=lag + window - 1)
         self._prior_conditional = torch.ones(gamma, dtype=torch.float32)
         self._skips = 0
+        self.long_run, self.throughput_decay = long_run, throughput_decay
+        self._mean_tokens: float | None = None  # running means of the chosen steps
+        self._mean_seconds: float | None = None
+        self._decisions = 0
 
     @property
     def cost_slot(self) -> CostModelSlot:
@@ -408,6 +428,7 @@ class TwoStepCapacityPlanner:
     ) -> CapacityDecision:
         """K and draft width for the coming step, from information at least `lag` steps old."""
         lagged = self.lagged_survivals(request_ids)
+        informed = lagged is not None
         if lagged is None:
             lagged = self.prior_survival()[None, None, :].expand(1, len(request_ids), self.gamma)
         explore = self._skips + 1 >= self.explore_every
@@ -421,9 +442,30 @@ class TwoStepCapacityPlanner:
             max_lens=max_lens,
             survival_eps=self.survival_eps,
             require_draft=explore,
+            throughput=self.long_run_throughput() if self.long_run else None,
         )
         self._skips = 0 if decision.draft_width > 0 else self._skips + 1
+        if informed:  # a guess from the prior alone would bias lambda
+            self._track_throughput(decision)
         return decision
+
+    def long_run_throughput(self) -> float | None:
+        """Expected tokens/s of the recent decisions (ratio of running means), or None."""
+        if self._mean_tokens is None or self._mean_seconds is None:
+            return None
+        return self._mean_tokens / self._mean_seconds
+
+    def _track_throughput(self, decision: CapacityDecision) -> None:
+        if not (math.isfinite(decision.expected_tokens) and math.isfinite(decision.step_seconds)):
+            return
+        if self._mean_tokens is None or self._mean_seconds is None:
+            self._mean_tokens, self._mean_seconds = decision.expected_tokens, decision.step_seconds
+            self._decisions = 1
+            return
+        self._decisions += 1
+        decay = max(self.throughput_decay, 1.0 / self._decisions)  # a plain mean while young
+        self._mean_tokens += decay * (decision.expected_tokens - self._mean_tokens)
+        self._mean_seconds += decay * (decision.step_seconds - self._mean_seconds)
 
     def capacity(self, request_ids: Sequence[Hashable], **kwargs) -> int:
         """`decide(...).capacity`."""

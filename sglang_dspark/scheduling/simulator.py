@@ -83,11 +83,15 @@ class SimResult:
 
 
 class _Requests:
-    """Per-slot request state as tensors."""
+    """Per-slot request state as tensors.
+
+    Every request draws its properties and all its rounds from its own generator, seeded by
+    (seed, request id), and requests are numbered in arrival order: request r meets the same
+    rounds under every policy, so policies are compared on paired samples.
+    """
 
     def __init__(self, concurrency: int, source: RoundSource, settings: SimSettings) -> None:
         self.source, self.settings = source, settings
-        self.generator = torch.Generator().manual_seed(settings.seed + 7919)
         self.next_id = 0
         self.ids = [0] * concurrency
         self.domain = torch.zeros(concurrency, dtype=torch.long)
@@ -96,6 +100,10 @@ class _Requests:
         self.remaining = torch.zeros(concurrency, dtype=torch.long)
         self.context = torch.zeros(concurrency, dtype=torch.long)
         self.start = torch.zeros(concurrency, dtype=torch.float64)
+        most = settings.output_tokens[1]
+        self.round_logits = torch.zeros(concurrency, most, source.gamma)
+        self.round_natural = torch.zeros(concurrency, most, dtype=torch.long)
+        self.round_index = torch.zeros(concurrency, dtype=torch.long)
         for slot in range(concurrency):
             self.replace(slot, 0.0)
 
@@ -103,15 +111,30 @@ class _Requests:
         return int(torch.randint(bounds[0], bounds[1] + 1, (1,), generator=self.generator))
 
     def replace(self, slot: int, now: float) -> None:
-        self.ids[slot] = self.next_id
+        request_id = self.next_id
+        self.ids[slot] = request_id
         self.next_id += 1
+        self.generator = torch.Generator().manual_seed(self.settings.seed * 1_000_003 + request_id)
         domains = len(self.source.domains)
         self.domain[slot] = int(torch.randint(0, domains, (1,), generator=self.generator))
-        self.offset[slot] = self.source.new_request_offset()
+        self.offset[slot] = self.source.new_request_offset(self.generator)
         self.output[slot] = self._uniform(self.settings.output_tokens)
         self.remaining[slot] = self.output[slot]
         self.context[slot] = self._uniform(self.settings.prompt_tokens)
         self.start[slot] = now
+        rounds = self.round_natural.shape[1]  # a request never needs more rounds than tokens
+        logits, natural = self.source.draw(
+            self.domain[slot].expand(rounds), self.offset[slot].expand(rounds), self.generator
+        )
+        self.round_logits[slot], self.round_natural[slot] = logits, natural
+        self.round_index[slot] = 0
+
+    def next_rounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each slot's next round: confidence logits [C, gamma], natural accepted length [C]."""
+        slots = torch.arange(self.round_index.numel())
+        picked = self.round_logits[slots, self.round_index], self.round_natural[slots, self.round_index]
+        self.round_index += 1
+        return picked
 
 
 def _drafter_seconds(drafter: CostModel | None, width: int, batch: int, context: int) -> float:
@@ -151,8 +174,11 @@ def simulate(
     drafter: CostModel | None,
     source: RoundSource,
     settings: SimSettings = SimSettings(),
+    temperatures: torch.Tensor | None = None,
+    biases: torch.Tensor | None = None,
 ) -> SimResult:
-    """Run one policy at one concurrency until enough requests finished."""
+    """Run one policy at one concurrency until enough requests finished. The planners see
+    sigmoid(logit / temperature + bias) survivals (an STS calibration; identity by default)."""
     if policy not in POLICIES:
         raise SimulationError(f"unknown policy {policy!r}; expected one of {POLICIES}")
     if concurrency < 1:
@@ -180,8 +206,10 @@ def simulate(
             max_lens = max_lens.clamp(max=draft_width)
             skipped += draft_width == 0
         draft_seconds = _drafter_seconds(drafter, draft_width, concurrency, context)
-        logits, natural = source.draw(requests.domain, requests.offset)
-        survivals = survivals_from_confidences(logits)
+        logits, natural = requests.next_rounds()
+        if biases is not None:
+            logits = logits / temperatures + biases
+        survivals = survivals_from_confidences(logits, None if biases is not None else temperatures)
         lens = _policy_lens(
             policy, survivals, max_lens, lambda: capacity, target, context, draft_seconds
         )

@@ -65,13 +65,17 @@ class RoundSource(Protocol):
     gamma: int
     domains: tuple[str, ...]
 
-    def new_request_offset(self) -> float:
+    def new_request_offset(self, generator: torch.Generator | None = None) -> float:
         """Hidden per-request difficulty (0 where the source has none)."""
 
     def draw(
-        self, domain_ids: torch.Tensor, request_offsets: torch.Tensor
+        self,
+        domain_ids: torch.Tensor,
+        request_offsets: torch.Tensor,
+        generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One round per request: confidence logits [B, gamma], natural accepted length [B]."""
+        """One round per row: confidence logits [N, gamma], natural accepted length [N]. With
+        `generator`, draws come from it (a request's own stream) instead of the source's."""
 
 
 def _logit(p: float) -> float:
@@ -112,14 +116,18 @@ class SyntheticTraces:
             )
         self._base_logits = torch.stack(rows)  # [domains, gamma]
 
-    def new_request_offset(self) -> float:
-        return float(torch.randn(1, generator=self._generator, dtype=torch.float64)) * REQUEST_SIGMA
+    def new_request_offset(self, generator: torch.Generator | None = None) -> float:
+        g = generator or self._generator
+        return float(torch.randn(1, generator=g, dtype=torch.float64)) * REQUEST_SIGMA
 
     def draw(
-        self, domain_ids: torch.Tensor, request_offsets: torch.Tensor
+        self,
+        domain_ids: torch.Tensor,
+        request_offsets: torch.Tensor,
+        generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         batch = domain_ids.numel()
-        g = self._generator
+        g = generator or self._generator
         noise = (
             torch.randn(batch, 1, generator=g, dtype=torch.float64) * ROUND_SIGMA
             + torch.randn(batch, self.gamma, generator=g, dtype=torch.float64) * SLOT_SIGMA
@@ -190,17 +198,21 @@ class FileTraces:
             )
         return domain, [float(x) for x in logits], accepted
 
-    def new_request_offset(self) -> float:
+    def new_request_offset(self, generator: torch.Generator | None = None) -> float:
         return 0.0
 
     def draw(
-        self, domain_ids: torch.Tensor, request_offsets: torch.Tensor
+        self,
+        domain_ids: torch.Tensor,
+        request_offsets: torch.Tensor,
+        generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         logits = torch.empty(domain_ids.numel(), self.gamma, dtype=torch.float32)
         natural = torch.empty(domain_ids.numel(), dtype=torch.int64)
         for domain in domain_ids.unique().tolist():
             rows = (domain_ids == domain).nonzero().flatten()
-            pick = torch.randint(0, self._accepted[domain].numel(), (rows.numel(),), generator=self._generator)
+            pool = self._accepted[domain].numel()
+            pick = torch.randint(0, pool, (rows.numel(),), generator=generator or self._generator)
             logits[rows] = self._logits[domain][pick]
             natural[rows] = self._accepted[domain][pick]
         return logits, natural
