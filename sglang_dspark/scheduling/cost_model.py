@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 COST_MODEL_FORMAT = "sglang-dspark/cost-model"
@@ -70,16 +71,13 @@ def _check_non_decreasing(name: str, values: list[float], allow_zero: bool) -> l
     return problems
 
 
-def _interpolate(knots: torch.Tensor, values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _interpolate(knots: np.ndarray, values: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Piecewise-linear interpolation, flat below the first knot, last slope beyond the last."""
-    if knots.numel() == 1:
-        return values.expand_as(x).clone() if x.dim() else values[0].clone()
-    x = x.to(knots.dtype)
-    index = torch.searchsorted(knots, x).clamp(1, knots.numel() - 1)
-    x0, x1 = knots[index - 1], knots[index]
-    y0, y1 = values[index - 1], values[index]
-    result = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return torch.where(x < knots[0], values[0].expand_as(result), result)
+    if knots.size == 1:
+        return np.full_like(x, values[0], dtype=np.float64)
+    inside = np.interp(x, knots, values)
+    slope = (values[-1] - values[-2]) / (knots[-1] - knots[-2])
+    return np.where(x > knots[-1], values[-1] + slope * (x - knots[-1]), inside)
 
 
 def _interpolate_scalar(knots: list[int], values: list[float], x: float) -> float:
@@ -98,11 +96,19 @@ class CostModel(ABC):
     metadata: dict[str, Any]
 
     @abstractmethod
+    def seconds_curve(
+        self, num_requests: int, batch_tokens: np.ndarray, context_tokens: float = 0.0
+    ) -> np.ndarray:
+        """Vectorised over batch tokens (float64 numpy), for one request count and context: the
+        planner evaluates every candidate budget of a step in one call (numpy: these arrays are
+        a few hundred numbers, where torch's per-op overhead would dominate)."""
+
     def step_seconds(
         self, num_requests: int, batch_tokens: torch.Tensor, context_tokens: float = 0.0
     ) -> torch.Tensor:
-        """Vectorised over batch tokens (float64), for one request count and context: the
-        planner evaluates every candidate budget of a step in one call."""
+        """`seconds_curve` for torch tensors."""
+        tokens = batch_tokens.detach().cpu().numpy().astype(np.float64)
+        return torch.from_numpy(self.seconds_curve(num_requests, tokens, context_tokens))
 
     @abstractmethod
     def _params(self) -> dict[str, Any]:
@@ -118,8 +124,8 @@ class CostModel(ABC):
             raise CostModelError(
                 f"a step needs num_requests >= 1 and batch_tokens >= num_requests, got {step}"
             )
-        tokens = torch.tensor([float(step.batch_tokens)], dtype=torch.float64)
-        return float(self.step_seconds(step.num_requests, tokens, float(step.context_tokens))[0])
+        tokens = np.array([float(step.batch_tokens)])
+        return float(self.seconds_curve(step.num_requests, tokens, float(step.context_tokens))[0])
 
     def steps_per_second(self, step: StepShape) -> float:
         return 1.0 / self.predict(step)
@@ -162,8 +168,8 @@ class StepCostTable(CostModel):
 
     def __post_init__(self) -> None:
         self.validate()
-        self._knots = torch.tensor(self.batch_tokens, dtype=torch.float64)
-        self._seconds = 1.0 / torch.tensor(self.steps_per_second, dtype=torch.float64)
+        self._knots = np.asarray(self.batch_tokens, dtype=np.float64)
+        self._seconds = 1.0 / np.asarray(self.steps_per_second, dtype=np.float64)
 
     def _problems(self) -> list[str]:
         problems = _check_knots("batch_tokens", [float(b) for b in self.batch_tokens])
@@ -182,16 +188,15 @@ class StepCostTable(CostModel):
             )
         return problems
 
-    def step_seconds(
-        self, num_requests: int, batch_tokens: torch.Tensor, context_tokens: float = 0.0
-    ) -> torch.Tensor:
-        tokens = batch_tokens.to(torch.float64)
-        index = torch.searchsorted(self._knots, tokens).clamp(max=self._knots.numel() - 1)
+    def seconds_curve(
+        self, num_requests: int, batch_tokens: np.ndarray, context_tokens: float = 0.0
+    ) -> np.ndarray:
+        index = np.minimum(np.searchsorted(self._knots, batch_tokens), self._knots.size - 1)
         padded = self._seconds[index]
         if self.is_flat:
             return padded
-        beyond = self._seconds[-1] * tokens / self._knots[-1]
-        return torch.where(tokens > self._knots[-1], beyond, padded)
+        beyond = self._seconds[-1] * batch_tokens / self._knots[-1]
+        return np.where(batch_tokens > self._knots[-1], beyond, padded)
 
     def _params(self) -> dict[str, Any]:
         return {"batch_tokens": self.batch_tokens, "steps_per_second": self.steps_per_second}
@@ -217,8 +222,8 @@ class AdditiveCostModel(CostModel):
 
     def __post_init__(self) -> None:
         self.validate()
-        self._tk = torch.tensor(self.token_knots, dtype=torch.float64)
-        self._theta = torch.tensor(self.theta_seconds, dtype=torch.float64)
+        self._tk = np.asarray(self.token_knots, dtype=np.float64)
+        self._theta = np.asarray(self.theta_seconds, dtype=np.float64)
 
     def _problems(self) -> list[str]:
         problems = []
@@ -236,14 +241,14 @@ class AdditiveCostModel(CostModel):
             problems += _check_non_decreasing(f"{name} curve", list(values), allow_zero=True)
         return problems
 
-    def _additive(self, num_requests: int, batch_tokens: torch.Tensor) -> torch.Tensor:
+    def _additive(self, num_requests: int, batch_tokens: np.ndarray) -> np.ndarray:
         alpha = _interpolate_scalar(self.request_knots, self.alpha_seconds, float(num_requests))
-        theta = _interpolate(self._tk, self._theta, batch_tokens.to(torch.float64))
+        theta = _interpolate(self._tk, self._theta, batch_tokens)
         return self.bias_seconds + alpha + theta
 
-    def step_seconds(
-        self, num_requests: int, batch_tokens: torch.Tensor, context_tokens: float = 0.0
-    ) -> torch.Tensor:
+    def seconds_curve(
+        self, num_requests: int, batch_tokens: np.ndarray, context_tokens: float = 0.0
+    ) -> np.ndarray:
         return self._additive(num_requests, batch_tokens)
 
     def _params(self) -> dict[str, Any]:
@@ -272,10 +277,10 @@ class ContextCostModel(AdditiveCostModel):
                 problems.append(f"{name} must be finite and >= 0, got {value}")
         return problems
 
-    def step_seconds(
-        self, num_requests: int, batch_tokens: torch.Tensor, context_tokens: float = 0.0
-    ) -> torch.Tensor:
-        tokens = batch_tokens.to(torch.float64)
+    def seconds_curve(
+        self, num_requests: int, batch_tokens: np.ndarray, context_tokens: float = 0.0
+    ) -> np.ndarray:
+        tokens = batch_tokens
         context = float(context_tokens)
         return (
             self._additive(num_requests, tokens)

@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
+import numpy as np
 import torch
 
 from sglang_dspark.scheduling.cost_model import CostModel, CostModelSlot, StepCostTable
@@ -52,35 +53,42 @@ def survivals_from_confidences(
     return torch.cumprod(torch.sigmoid(logits), dim=-1)
 
 
-def _lengths(value: torch.Tensor | int | None, batch: int, default: int, name: str) -> torch.Tensor:
+def _lengths(value: torch.Tensor | int | None, batch: int, default: int, name: str) -> np.ndarray:
     if value is None:
-        return torch.full((batch,), default, dtype=torch.long)
+        return np.full(batch, default, dtype=np.int64)
     if isinstance(value, int):
-        return torch.full((batch,), value, dtype=torch.long)
-    if value.shape != (batch,):
+        return np.full(batch, value, dtype=np.int64)
+    if tuple(value.shape) != (batch,):
         raise PlannerError(f"{name} must have shape ({batch},), got {tuple(value.shape)}")
-    return value.to(torch.long)
+    return value.detach().cpu().numpy().astype(np.int64)
+
+
+def _as_array(survivals: torch.Tensor | np.ndarray) -> np.ndarray:
+    """float64 numpy view/copy of planner input (the planner's arrays are tiny: numpy's per-op
+    cost is a fraction of torch's)."""
+    if isinstance(survivals, np.ndarray):
+        return survivals.astype(np.float64, copy=False)
+    return survivals.detach().cpu().numpy().astype(np.float64, copy=False)
 
 
 def _check_inputs(
-    survivals: torch.Tensor, min_lens: torch.Tensor | int | None, max_lens: torch.Tensor | int | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if survivals.dim() != 2 or survivals.shape[0] < 1 or survivals.shape[1] < 1:
+    survivals: np.ndarray, min_lens: torch.Tensor | int | None, max_lens: torch.Tensor | int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    if survivals.ndim != 2 or survivals.shape[0] < 1 or survivals.shape[1] < 1:
         raise PlannerError(
             f"survivals must be [batch >= 1, gamma >= 1], got shape {tuple(survivals.shape)}"
         )
     batch, gamma = survivals.shape
-    lowest, highest = torch.aminmax(survivals)
-    if not (float(lowest) >= 0.0 and float(highest) <= 1.0):
+    if not (survivals.min() >= 0.0 and survivals.max() <= 1.0):
         raise PlannerError("survivals must lie in [0, 1] (prefix survival probabilities)")
-    if gamma > 1 and not bool((survivals[:, 1:] <= survivals[:, :-1]).all()):
+    if gamma > 1 and not (survivals[:, 1:] <= survivals[:, :-1]).all():
         raise PlannerError(
             "survivals must be non-increasing along positions (a cumulative product of "
             "confidences); pass survivals_from_confidences(...), not raw confidences"
         )
     low = _lengths(min_lens, batch, 0, "min_lens")
     high = _lengths(max_lens, batch, gamma, "max_lens")
-    if bool((low < 0).any()) or bool((high > gamma).any()) or bool((low > high).any()):
+    if (low < 0).any() or (high > gamma).any() or (low > high).any():
         raise PlannerError(
             f"need 0 <= min_lens <= max_lens <= gamma={gamma}, got min_lens={low.tolist()}, "
             f"max_lens={high.tolist()}"
@@ -92,52 +100,40 @@ def _check_inputs(
 class _Path:
     """The greedy admission path: forced drafts first, then candidates by survival."""
 
-    rows: torch.Tensor  # [n] request of each candidate, in admission order
-    order: torch.Tensor  # [n] its index in the position-major flattening (position * B + row)
-    values: torch.Tensor  # [n] its survival
-    forced: torch.Tensor  # [B] drafts admitted regardless (min_lens)
+    rows: np.ndarray  # [n] request of each candidate, in admission order
+    order: np.ndarray  # [n] its index in the position-major flattening (position * B + row)
+    values: np.ndarray  # [n] its survival
+    forced: np.ndarray  # [B] drafts admitted regardless (min_lens)
     forced_survival: float
 
 
-def _admission_path(
-    survivals: torch.Tensor, low: torch.Tensor, high: torch.Tensor, eps: float
-) -> _Path:
+def _admission_path(survivals: np.ndarray, low: np.ndarray, high: np.ndarray, eps: float) -> _Path:
     batch, gamma = survivals.shape
-    position = torch.arange(gamma)
+    position = np.arange(gamma)
     forced_mask = position[None, :] < low[:, None]
     allowed = (position[None, :] < high[:, None]) & ~forced_mask & (survivals > eps)
-    masked = torch.where(allowed, survivals, torch.full_like(survivals, -1.0))
-    values, order = torch.sort(masked.t().reshape(-1), descending=True, stable=True)
+    masked = np.where(allowed, survivals, -1.0).T.ravel()
     count = int(allowed.sum())
+    order = np.argsort(-masked, kind="stable")[:count]  # stable: ties by position, then row
     return _Path(
-        rows=order[:count] % batch,
-        order=order[:count],
-        values=values[:count].to(torch.float64),
+        rows=order % batch,
+        order=order,
+        values=masked[order],
         forced=low,
         forced_survival=float(survivals[forced_mask].sum()),
     )
 
 
-def _throughput_curve(
-    path: _Path,
-    cost_model: CostModel,
-    context_tokens: float,
-    fixed_seconds: float,
-) -> torch.Tensor:
-    """Theta after admitting the first i candidates, i = 0..n."""
-    batch = path.forced.numel()
-    base_tokens = batch + int(path.forced.sum())
-    tau = torch.cat(
-        [torch.zeros(1, dtype=torch.float64), torch.cumsum(path.values, 0)]
-    ) + (batch + path.forced_survival)
-    tokens = base_tokens + torch.arange(path.values.numel() + 1, dtype=torch.float64)
-    seconds = cost_model.step_seconds(batch, tokens, context_tokens) + fixed_seconds
-    return tau / seconds
+def _target_seconds(
+    cost_model: CostModel, batch: int, tokens: np.ndarray, context_tokens: float
+) -> np.ndarray:
+    return cost_model.seconds_curve(batch, tokens, float(context_tokens))
 
 
 def _lens_from_admitted(path: _Path, admitted: int) -> torch.Tensor:
-    batch = path.forced.numel()
-    return path.forced + torch.bincount(path.rows[:admitted], minlength=batch)
+    batch = path.forced.size
+    lens = path.forced + np.bincount(path.rows[:admitted], minlength=batch)
+    return torch.from_numpy(lens.astype(np.int64))
 
 
 def _is_flat(cost_model: CostModel) -> bool:
@@ -158,13 +154,17 @@ def plan_algorithm1(
 
     A flat (uninitialised) table verifies every draft up to max_lens.
     """
-    low, high = _check_inputs(survivals, min_lens, max_lens)
+    values = _as_array(survivals)
+    low, high = _check_inputs(values, min_lens, max_lens)
     if _is_flat(cost_model):
-        return high.clone()
-    path = _admission_path(survivals, low, high, survival_eps)
-    theta = _throughput_curve(path, cost_model, context_tokens, fixed_seconds)
-    rising = (theta[1:] > theta[:-1]).to(torch.int32)
-    admitted = int(torch.cumprod(rising, 0).sum()) if rising.numel() else 0
+        return torch.from_numpy(high.copy())
+    path = _admission_path(values, low, high, survival_eps)
+    batch = values.shape[0]
+    tau = np.concatenate(([0.0], np.cumsum(path.values))) + batch + path.forced_survival
+    tokens = batch + int(low.sum()) + np.arange(path.values.size + 1, dtype=np.float64)
+    theta = tau / (_target_seconds(cost_model, batch, tokens, context_tokens) + fixed_seconds)
+    falls = np.flatnonzero(theta[1:] <= theta[:-1])
+    admitted = int(falls[0]) if falls.size else path.values.size
     return _lens_from_admitted(path, admitted)
 
 
@@ -187,12 +187,14 @@ class CapacityDecision:
         return self.expected_tokens / self.step_seconds
 
 
-def _draft_costs(draft_seconds: float | Sequence[float], gamma: int) -> torch.Tensor:
+def _draft_costs(draft_seconds: float | Sequence[float], gamma: int) -> np.ndarray:
     """Seconds to draft w = 0..gamma slots; a scalar means 'the whole block or nothing'."""
     if isinstance(draft_seconds, (int, float)):
-        return torch.tensor([0.0] + [float(draft_seconds)] * gamma, dtype=torch.float64)
-    costs = torch.tensor(list(draft_seconds), dtype=torch.float64)
-    if costs.shape != (gamma + 1,) or bool((costs < 0).any()) or float(costs[0]) != 0.0:
+        costs = np.full(gamma + 1, float(draft_seconds))
+        costs[0] = 0.0
+        return costs
+    costs = np.asarray(list(draft_seconds), dtype=np.float64)
+    if costs.shape != (gamma + 1,) or (costs < 0).any() or costs[0] != 0.0:
         raise PlannerError(
             f"draft_seconds per width must have {gamma + 1} entries (w = 0..gamma), be >= 0 and "
             f"start with 0.0, got {list(draft_seconds)}"
@@ -218,48 +220,45 @@ def decide_capacity(
 
     survivals: [B, gamma] or [m, B, gamma], earlier steps' survivals aligned to the current
     requests; m snapshots are averaged per request (a steadier estimate of this step's survivals
-    than any single old step). Only old information enters, so whatever this step's
-    tokens are, K and the width are already fixed: the pair with `fill_capacity` is
-    non-anticipating. draft_seconds: per-step drafter time, charged only when drafting (a scalar),
-    or per width w = 0..gamma (a drafter that can run a shorter block). require_draft: exclude
-    width 0 (the planner's periodic exploration). throughput: the long-run tokens/s lambda; when
-    given, maximise expected tokens - lambda * seconds instead of this step's ratio (Dinkelbach:
-    the step that maximises the long-run ratio sum(tokens) / sum(seconds); the per-step ratio
+    than any single old step). Only old information enters, so whatever this step's tokens are,
+    K and the width are already fixed: the pair with `fill_capacity` is non-anticipating.
+    draft_seconds: per-step drafter time, charged only when drafting (a scalar), or per width
+    w = 0..gamma (a drafter that can run a shorter block). require_draft: exclude width 0 (the
+    planner's periodic exploration). throughput: the long-run tokens/s lambda; when given,
+    maximise expected tokens - lambda * seconds instead of this step's ratio (Dinkelbach: the
+    step that maximises the long-run ratio sum(tokens) / sum(seconds); the per-step ratio
     over-verifies doubtful steps and under-verifies confident ones when steps differ a lot)."""
-    if survivals.dim() == 3 and survivals.shape[0] >= 1:
-        survivals = survivals.mean(dim=0)  # each request's mean survival curve over the steps
-    low, high = _check_inputs(survivals, min_lens, max_lens)
-    batch, gamma = survivals.shape
+    values = _as_array(survivals)
+    if values.ndim == 3 and values.shape[0] >= 1:
+        values = values.mean(axis=0)  # each request's mean survival curve over the steps
+    low, high = _check_inputs(values, min_lens, max_lens)
+    batch, gamma = values.shape
     if _is_flat(cost_model):
         return CapacityDecision(int(high.sum()), gamma, float("nan"), float("nan"))
     costs = _draft_costs(draft_seconds, gamma)
-    path = _admission_path(survivals, low, high, survival_eps)
+    path = _admission_path(values, low, high, survival_eps)
     # one admission path; a width w keeps the candidates at positions < w, in the same order
-    positions = (path.order // batch)[None, :]
-    widths = torch.arange(gamma + 1)
-    kept = positions < widths[:, None]  # [w, n]
-    count = torch.cumsum(kept, dim=1)
-    gain = torch.cumsum(kept * path.values[None, :], dim=1)
+    widths = np.arange(gamma + 1)
+    kept = (path.order // batch)[None, :] < widths[:, None]  # [w, n]
+    count = np.cumsum(kept, axis=1)
+    gain = np.cumsum(kept * path.values[None, :], axis=1)
     forced_count = int(low.sum())
     base_tau = batch + path.forced_survival
-    tokens = batch + forced_count + torch.arange(path.values.numel() + 1, dtype=torch.float64)
-    target_seconds = cost_model.step_seconds(batch, tokens, context_tokens) + fixed_seconds
-    seconds = target_seconds[count] + costs[:, None]
-    start_seconds = target_seconds[0] + costs  # [w]: admit nothing beyond the forced drafts
+    tokens = batch + forced_count + np.arange(path.values.size + 1, dtype=np.float64)
+    target = _target_seconds(cost_model, batch, tokens, context_tokens) + fixed_seconds
+    seconds = target[count] + costs[:, None]
+    start_seconds = target[0] + costs  # [w]: admit nothing beyond the forced drafts
     if throughput is None:
         theta, start_theta = (base_tau + gain) / seconds, base_tau / start_seconds
     else:
         theta = (base_tau + gain) - throughput * seconds
         start_theta = base_tau - throughput * start_seconds
-    never = torch.full_like(theta, -float("inf"))
-    theta = torch.where(kept, theta, never)
-    min_width = max(int(low.max()), 1 if require_draft else 0)
-    usable = widths >= min_width
-    theta = torch.where(usable[:, None], theta, never)
-    start_theta = torch.where(usable, start_theta, torch.full_like(start_theta, -float("inf")))
-    full = torch.cat([start_theta[:, None], theta], dim=1)  # [w, 1 + n]
+    usable = widths >= max(int(low.max()), 1 if require_draft else 0)
+    full = np.concatenate((start_theta[:, None], theta), axis=1)  # [w, 1 + n]
+    full[:, 1:][~kept] = -np.inf
+    full[~usable] = -np.inf
     # ties go to the wider block: same objective, fresher survivals for later decisions
-    best = int(torch.argmax(full.flip(0).reshape(-1)))
+    best = int(np.argmax(full[::-1].ravel()))
     flipped_width, index = divmod(best, full.shape[1])
     width = gamma - flipped_width
     admitted = 0 if index == 0 else int(count[width, index - 1])
@@ -309,8 +308,9 @@ def fill_capacity(
     max_lens clamped to the draft width."""
     if capacity < 0:
         raise PlannerError(f"capacity must be >= 0, got {capacity}")
-    low, high = _check_inputs(survivals, min_lens, max_lens)
-    path = _admission_path(survivals, low, high, eps=-1.0)
+    values = _as_array(survivals)
+    low, high = _check_inputs(values, min_lens, max_lens)
+    path = _admission_path(values, low, high, eps=-1.0)
     return _lens_from_admitted(path, max(capacity - int(low.sum()), 0))
 
 
@@ -318,7 +318,7 @@ def fill_capacity(
 class _Snapshot:
     ids: tuple[Hashable, ...]
     index: dict[Hashable, int]
-    survivals: torch.Tensor
+    survivals: np.ndarray
 
 
 class TwoStepCapacityPlanner:
@@ -360,7 +360,7 @@ class TwoStepCapacityPlanner:
         self.fixed_seconds, self.survival_eps = fixed_seconds, survival_eps
         self.explore_every, self.prior_decay = explore_every, prior_decay
         self._history: deque[_Snapshot] = deque(maxlen=lag + window - 1)
-        self._prior_conditional = torch.ones(gamma, dtype=torch.float32)
+        self._prior_conditional = np.ones(gamma)
         self._skips = 0
         self.long_run, self.throughput_decay = long_run, throughput_decay
         self._mean_tokens: float | None = None  # running means of the chosen steps
@@ -374,7 +374,7 @@ class TwoStepCapacityPlanner:
 
     def prior_survival(self) -> torch.Tensor:
         """The survival curve assumed for a request nothing is known about."""
-        return torch.cumprod(self._prior_conditional, 0)
+        return torch.from_numpy(np.cumprod(self._prior_conditional)).to(torch.float32)
 
     def publish(
         self, request_ids: Sequence[Hashable], survivals: torch.Tensor, draft_width: int | None = None
@@ -382,39 +382,44 @@ class TwoStepCapacityPlanner:
         """Record this step's survivals [len(request_ids), gamma]; only the first `draft_width`
         positions are read (the rest are extended with the prior)."""
         width = self.gamma if draft_width is None else draft_width
-        if survivals.shape != (len(request_ids), self.gamma) or not 1 <= width <= self.gamma:
+        if tuple(survivals.shape) != (len(request_ids), self.gamma) or not 1 <= width <= self.gamma:
             raise PlannerError(
                 f"publish needs survivals of shape ({len(request_ids)}, {self.gamma}) and "
                 f"1 <= draft_width <= {self.gamma}, got {tuple(survivals.shape)}, {draft_width}"
             )
-        known = survivals[:, :width].detach().to(torch.float32)
-        previous = torch.cat([torch.ones(known.shape[0], 1), known[:, :-1]], dim=1)
-        conditional = (known / previous.clamp(min=1e-12)).mean(dim=0)
-        decay = self.prior_decay
-        self._prior_conditional[:width] = (1 - decay) * self._prior_conditional[:width] + decay * conditional
-        tail = known[:, -1:] * torch.cumprod(self._prior_conditional[width:], 0)[None, :]
+        known = _as_array(survivals)[:, :width]
+        previous = np.concatenate((np.ones((known.shape[0], 1)), known[:, :-1]), axis=1)
+        conditional = (known / np.maximum(previous, 1e-12)).mean(axis=0)
+        prior = self._prior_conditional
+        prior[:width] += self.prior_decay * (conditional - prior[:width])
+        tail = known[:, -1:] * np.cumprod(prior[width:])[None, :]
         ids = tuple(request_ids)
         index = {rid: i for i, rid in enumerate(ids)}
-        self._history.append(_Snapshot(ids, index, torch.cat([known, tail], dim=1)))
+        self._history.append(_Snapshot(ids, index, np.concatenate((known, tail), axis=1)))
 
-    def lagged_survivals(self, request_ids: Sequence[Hashable]) -> torch.Tensor | None:
-        """[m, B, gamma]: the snapshots at least `lag` steps old (the newest ones while fewer
-        exist), aligned to `request_ids`; None before any publish."""
+    def _lagged(self, request_ids: Sequence[Hashable]) -> np.ndarray | None:
         if not self._history:
             return None
         usable = max(1, len(self._history) - self.lag + 1)
-        prior = self.prior_survival()
+        prior = np.cumprod(self._prior_conditional)
         aligned = []
         ids = tuple(request_ids)
         for snapshot in list(self._history)[:usable]:
             if snapshot.ids == ids:  # the common case: same batch as then
                 aligned.append(snapshot.survivals)
                 continue
-            rows = [snapshot.index.get(rid) for rid in request_ids]
-            known = torch.tensor([r is not None for r in rows])
-            gathered = snapshot.survivals[torch.tensor([r if r is not None else 0 for r in rows])]
-            aligned.append(torch.where(known[:, None], gathered, prior[None, :]))
-        return torch.stack(aligned)
+            rows = [snapshot.index.get(rid, -1) for rid in ids]
+            gathered = snapshot.survivals[rows]
+            unknown = np.asarray(rows) < 0
+            gathered[unknown] = prior
+            aligned.append(gathered)
+        return np.stack(aligned)
+
+    def lagged_survivals(self, request_ids: Sequence[Hashable]) -> torch.Tensor | None:
+        """[m, B, gamma]: the snapshots at least `lag` steps old (the newest ones while fewer
+        exist), aligned to `request_ids`; None before any publish."""
+        lagged = self._lagged(request_ids)
+        return None if lagged is None else torch.from_numpy(lagged).to(torch.float32)
 
     def decide(
         self,
@@ -427,10 +432,11 @@ class TwoStepCapacityPlanner:
         max_lens: torch.Tensor | int | None = None,
     ) -> CapacityDecision:
         """K and draft width for the coming step, from information at least `lag` steps old."""
-        lagged = self.lagged_survivals(request_ids)
+        lagged = self._lagged(request_ids)
         informed = lagged is not None
         if lagged is None:
-            lagged = self.prior_survival()[None, None, :].expand(1, len(request_ids), self.gamma)
+            prior = np.cumprod(self._prior_conditional)
+            lagged = np.broadcast_to(prior, (1, len(request_ids), self.gamma))
         explore = self._skips + 1 >= self.explore_every
         decision = decide_capacity(
             lagged,
