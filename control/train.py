@@ -6,7 +6,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -29,7 +29,7 @@ def _target_or_default(target: Optional[str]) -> str:
 
 def train_command(
     out: str = typer.Option(..., "--out", help="Folder of the drafter (checkpoint, shipped weights, logs)."),
-    cache: str = typer.Option(..., "--cache", help="Target cache folder (dspark-ctl data cache)."),
+    cache: List[str] = typer.Option(..., "--cache", help="Target cache folder (dspark-ctl data cache); repeat to join several."),
     target: Optional[str] = typer.Option(None, "--target", help="Target model folder [default: prepared SmolLM2]."),
     markov_rank: int = typer.Option(64, "--markov-rank", help="Markov head rank; 0 = no head (DFlash)."),
     markov_head: str = typer.Option("vanilla", "--markov-head", help="vanilla | gated | rnn."),
@@ -52,7 +52,7 @@ def train_command(
     """Distil a DSpark drafter (and optionally its DFlash twin) from a cached target."""
     import torch
 
-    from sglang_dspark.training.target_cache import load_target_cache
+    from sglang_dspark.training.target_cache import load_target_caches
     from sglang_dspark.training.trainer import DrafterSpec, TrainSettings, train_drafters
 
     if markov_head not in ("vanilla", "gated", "rnn"):
@@ -68,7 +68,7 @@ def train_command(
                              anchors_per_seq=anchors, seqs_per_step=seqs_per_step, steps=steps, lr=lr,
                              seed=seed, checkpoint_every=checkpoint_every, eval_every=eval_every)
     command = "dspark-ctl " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    summary = train_drafters(load_target_cache(Path(cache)), target_dir, specs, settings, command=command,
+    summary = train_drafters(load_target_caches([Path(c) for c in cache]), target_dir, specs, settings, command=command,
                              time_budget_s=None if time_budget_min is None else time_budget_min * 60,
                              progress=not as_json)
     typer.echo(json.dumps(summary, indent=None if as_json else 2))

@@ -269,7 +269,8 @@ def plot_conditional_acceptance(results: dict, path: Path, title: str) -> None:
 def evaluate(target_path: str, drafter_paths: list[str], prompts: list[dict], temperature: float,
              max_new_tokens: int, batch_size: int = 8, verify_length: int | None = None,
              seed: int = 0, calibration_prompts: list[dict] | None = None, out_dir: Path | None = None,
-             measure_block_cost: bool = True, threads: int | None = None) -> dict:
+             measure_block_cost: bool = True, threads: int | None = None,
+             dtype: torch.dtype = torch.float32) -> dict:
     """Evaluate each drafter on ``prompts``; fit STS first on ``calibration_prompts`` if given.
 
     Writes ``<out_dir>/eval.json``, ``rounds-<drafter>.jsonl`` (simulator traces) and
@@ -282,13 +283,15 @@ def evaluate(target_path: str, drafter_paths: list[str], prompts: list[dict], te
     if threads:
         torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.bfloat16).eval()
-    report: dict = {"target": target_path, "temperature": temperature, "max_new_tokens": max_new_tokens,
+    # fp32 compute on the bf16 weights: on this CPU bf16 matmuls of these shapes were ~3x slower
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).eval()
+    report: dict = {"target": target_path, "dtype": str(dtype).removeprefix("torch."),
+                    "temperature": temperature, "max_new_tokens": max_new_tokens,
                     "verify_length": verify_length, "prompts": len(prompts), "seed": seed, "drafters": {}}
     all_records: list[RoundRecord] = []
     for path in drafter_paths:
         name = Path(path).name
-        drafter = load_drafter(path, target=target, dtype=torch.bfloat16)
+        drafter = load_drafter(path, target=target, dtype=dtype)
         gamma = drafter.gamma
         calibration = _calibration_for(path, drafter, target, tokenizer, calibration_prompts, name,
                                        temperature, max_new_tokens, batch_size, seed)
