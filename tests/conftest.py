@@ -14,11 +14,16 @@ import pytest
 
 from server_fixtures import ServerHandle, build_tiny_drafter, build_tiny_target, launch_servers
 
+PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "cpu-smollm2-135m-target-context.json"
 SERVER_FLAVOURS = {
-    # name: extra launch_server arguments
-    "baseline": [],
-    "dspark_overlap": ["--speculative-algorithm", "DSPARK_LIVE"],
-    "dspark_sync": ["--speculative-algorithm", "DSPARK_LIVE", "--disable-overlap-schedule"],
+    # name: (extra launch_server arguments, extra environment)
+    "baseline": ([], {}),
+    # verify every draft: uniform windows, overlap scheduling on
+    "dspark_overlap": (["--speculative-algorithm", "DSPARK_LIVE"], {}),
+    # the production planner (any cost table will do: it only has to make windows ragged),
+    # overlap scheduling off
+    "dspark_sync": (["--speculative-algorithm", "DSPARK_LIVE", "--disable-overlap-schedule"],
+                    {"DSPARK_PLANNER": "production", "DSPARK_SPS_PATH": str(PROFILE)}),
 }
 
 
@@ -40,10 +45,10 @@ class ServerPool:
         if missing:
             specs = []
             for name in missing:
-                extra = list(SERVER_FLAVOURS[name])
-                if "--speculative-algorithm" in extra:
-                    extra += ["--speculative-draft-model-path", str(self.drafter)]
-                specs.append((name, _free_port(), extra))
+                args, env = SERVER_FLAVOURS[name]
+                if "--speculative-algorithm" in args:
+                    args = [*args, "--speculative-draft-model-path", str(self.drafter)]
+                specs.append((name, _free_port(), args, env))
             self.running.update(launch_servers(self.target, specs, self.log_dir))
         return [self.running[name] for name in names]
 

@@ -194,11 +194,11 @@ def wait_healthy(handle: ServerHandle, timeout_s: float = 420.0) -> ServerHandle
     raise TimeoutError(f"SGLang server not healthy after {timeout_s:.0f}s:\n{handle.log_tail()}")
 
 
-def launch_servers(model_path: Path, specs: list[tuple[str, int, list[str]]], log_dir: Path,
-                   env: dict[str, str] | None = None) -> dict[str, ServerHandle]:
-    """Start several servers at once (their start-ups overlap) and wait until all are healthy."""
+def launch_servers(model_path: Path, specs: list[tuple[str, int, list[str], dict[str, str]]],
+                   log_dir: Path) -> dict[str, ServerHandle]:
+    """Start several servers (name, port, args, env) at once and wait until all are healthy."""
     handles = {name: start_server(model_path, port, Path(log_dir) / f"{name}.log", extra, env)
-               for name, port, extra in specs}
+               for name, port, extra, env in specs}
     try:
         for handle in handles.values():
             wait_healthy(handle)

@@ -68,6 +68,12 @@ def test_greedy_output_equals_plain_serving_for_8_concurrent_requests(servers, b
     assert max(accept_lengths) > 1.5, f"drafts were hardly ever accepted: {accept_lengths}"
     drafts_rejected = [out["meta_info"]["spec_accept_rate"] < 1.0 for out in outputs]
     assert any(drafts_rejected), "no request ever rejected a draft: the rejection path went untested"
+    window_widths = {width for out in outputs
+                     for width, count in enumerate(out["meta_info"]["spec_cap_lens_histogram"]) if count}
+    if flavour == "dspark_sync":  # the production planner: ragged verify windows
+        assert len(window_widths) >= 2, f"verify windows were not ragged: {window_widths}"
+    else:  # verify-all
+        assert window_widths == {5}
 
 
 @pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
@@ -174,3 +180,12 @@ def test_temperature_one_request_completes_and_records_accepted_lengths(servers)
     histogram = meta["spec_correct_drafts_histogram"]
     assert sum(histogram) == meta["spec_verify_ct"], histogram
     assert 1.0 <= meta["spec_accept_length"] <= 5.0
+
+
+def test_unsupported_sampling_features_are_refused_with_a_reason_not_served_wrongly(servers):
+    url = servers["dspark_overlap"].url
+    response = httpx.post(f"{url}/generate", timeout=300, json={
+        "text": PROMPTS[1], "return_logprob": True, "sampling_params": greedy(8, frequency_penalty=0.5)})
+    body = response.text
+    assert "DSPARK_LIVE does not support" in body and "return_logprob" in body and "penalty" in body, body
+    assert generate(url, PROMPTS[1], **greedy(4, ignore_eos=True))["meta_info"]["completion_tokens"] == 4
