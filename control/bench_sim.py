@@ -149,6 +149,7 @@ def sim(
         str(DEFAULT_DRAFTER_SPS), help="Drafter cost model (JSON), or 'none' to treat drafting as free."
     ),
     traces: Optional[Path] = typer.Option(None, help="JSONL rounds from the offline evaluator; default: synthetic paper-shaped traces."),
+    sts: Optional[Path] = typer.Option(None, help="STS calibration JSON applied to the confidence logits the planners see."),
     policies: str = typer.Option(",".join(POLICY_STYLE), help="Comma-separated policies."),
     seed: int = typer.Option(0, help="Seed for traces and requests."),
     requests_per_slot: float = typer.Option(3.0, help="Finished requests per slot before stopping."),
@@ -190,12 +191,27 @@ def sim(
     gamma = source().gamma
     settings = SimSettings(gamma=gamma, seed=seed, requests_per_slot=requests_per_slot,
                            min_requests=min_requests)
-    results = [simulate(p, c, target, drafter, source(), settings) for c in levels for p in chosen]
+    temperatures = biases = None
+    if sts is not None:
+        from sglang_dspark.calibration.metrics import CalibrationDataError
+        from sglang_dspark.calibration.sts import StsCalibration
+
+        try:
+            calibration = StsCalibration.load(sts)
+        except (OSError, ValueError, KeyError, CalibrationDataError) as error:
+            raise typer.BadParameter(f"--sts: cannot use {sts}: {error}") from error
+        if calibration.gamma != gamma:
+            raise typer.BadParameter(f"--sts is for gamma {calibration.gamma}, traces have {gamma}")
+        temperatures = torch.tensor(calibration.temperatures)
+        biases = torch.tensor(calibration.biases or [0.0] * gamma)
+    results = [simulate(p, c, target, drafter, source(), settings, temperatures, biases)
+               for c in levels for p in chosen]
     matched = matched_throughput(results)
     report: dict[str, Any] = {
         "results": [r.to_json() for r in results],
         "config": {
             "concurrency": levels, "policies": chosen, "seed": seed, "gamma": gamma,
+            "sts": str(sts) if sts else None,
             "traces": str(traces) if traces else "synthetic (sglang_dspark.scheduling.traces)",
             "settings": {k: getattr(settings, k) for k in settings.__dataclass_fields__},
         },

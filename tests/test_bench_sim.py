@@ -97,6 +97,19 @@ def test_cli_prints_the_stable_schema_and_writes_the_plot(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_applies_an_sts_calibration(tmp_path):
+    from dspark_ctl.cli import app
+    from sglang_dspark.calibration.sts import StsCalibration
+
+    path = tmp_path / "sts.json"
+    StsCalibration([50.0] * 7).save(path)  # squashes every confidence to ~0.5: short verification
+    args = ["bench", "sim", "--concurrency", "2", "--policies", "algorithm1", "--requests-per-slot", "1",
+            "--min-requests", "4", "--no-planner-bench", "--json"]
+    plain = json.loads(CliRunner().invoke(app, args).output)["results"][0]
+    squashed = json.loads(CliRunner().invoke(app, args + ["--sts", str(path)]).output)["results"][0]
+    assert squashed["mean_verified_drafts"] < plain["mean_verified_drafts"]
+
+
 def test_cli_refuses_a_bad_cost_model_with_the_reason(tmp_path):
     from dspark_ctl.cli import app
 
@@ -125,4 +138,4 @@ def test_scheduler_moves_the_pareto_frontier_on_the_measured_cpu_profile():
         best = max(by[("no_spec", c)].aggregate_tps, by[("static_7", c)].aggregate_tps)
         assert by[("scheduled", c)].aggregate_tps >= best, f"concurrency {c}"
     matched = matched_throughput(results)
-    assert matched and max(m["ratio"] for m in matched) >= 1.3
+    assert matched and min(m["ratio"] for m in matched) >= 1.3

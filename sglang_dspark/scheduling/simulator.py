@@ -207,9 +207,11 @@ def simulate(
             skipped += draft_width == 0
         draft_seconds = _drafter_seconds(drafter, draft_width, concurrency, context)
         logits, natural = requests.next_rounds()
+        if temperatures is not None:
+            logits = logits / temperatures
         if biases is not None:
-            logits = logits / temperatures + biases
-        survivals = survivals_from_confidences(logits, None if biases is not None else temperatures)
+            logits = logits + biases
+        survivals = survivals_from_confidences(logits)
         lens = _policy_lens(
             policy, survivals, max_lens, lambda: capacity, target, context, draft_seconds
         )
