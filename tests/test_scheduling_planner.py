@@ -217,3 +217,21 @@ def test_skipped_drafting_is_explored_again_after_a_while():
 def test_bad_planner_input_is_a_clear_error(survivals, kwargs, message):
     with pytest.raises(PlannerError, match=message):
         plan_algorithm1(survivals, affine(), **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["step", "additive", "context"])
+def test_budget_shrinks_with_load_on_the_measured_cpu_profiles(kind):
+    from pathlib import Path
+
+    from sglang_dspark.scheduling.cost_model import load_cost_model
+
+    cost = load_cost_model(Path(__file__).resolve().parents[1] / "profiles" / f"cpu-smollm2-135m-target-{kind}.json")
+    for seed in range(3):
+        row = random_survivals(1, 7, seed)
+        budgets, greedy = [], []
+        for load in (1, 2, 4, 8, 16, 32, 64):
+            survivals = row.expand(load, 7).contiguous()
+            budgets.append(capacity_from(survivals, cost, context_tokens=512.0 * load) / load)
+            greedy.append(float(plan_algorithm1(survivals, cost, context_tokens=512.0 * load).sum()) / load)
+        for curve in (budgets, greedy):
+            assert all(b <= a + 1e-9 for a, b in zip(curve, curve[1:])), curve
