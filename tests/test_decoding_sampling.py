@@ -60,6 +60,20 @@ def test_matches_reference_rule(temperature: float, top_p: float, top_k: int) ->
     torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [1.0, 12.0], ids=["flat:full-sort-fallback", "peaked:partial-sort"])
+@pytest.mark.parametrize(("temperature", "top_p", "top_k"), [(0.7, 0.9, 0), (1.0, 0.95, 300), (1.0, 1.0, 20)])
+def test_large_vocabulary_matches_reference(scale: float, temperature: float, top_p: float, top_k: int) -> None:
+    """Vocabularies beyond NUCLEUS_CANDIDATES take the partial-sort path when the kept set is
+    small and the full sort otherwise; both must give the reference rule."""
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, 2000, generator=generator, dtype=torch.float64) * scale
+    probs = logits_to_probs(logits, SamplingParams.uniform(6, temperature, top_p, top_k))
+    expected = torch.tensor(
+        [reference_probs(row.tolist(), temperature, top_p, top_k) for row in logits], dtype=torch.float32
+    )
+    torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-4)
+
+
 def test_nucleus_keeps_the_token_that_crosses_top_p() -> None:
     logits = torch.tensor([[0.5, 0.25, 0.125, 0.125]]).log()
     probs = logits_to_probs(logits, SamplingParams.uniform(1, 1.0, top_p=0.7))

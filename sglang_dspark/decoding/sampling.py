@@ -108,17 +108,28 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     slots = flat.shape[1]
 
     def per_row(values: torch.Tensor) -> torch.Tensor:
-        return values.to(flat.device).repeat_interleave(slots)
+        values = values.to(flat.device)
+        return values if slots == 1 else values.repeat_interleave(slots)
 
     flat = flat.reshape(-1, vocab)
     greedy = per_row(params.greedy)
+    if bool(greedy.all()):
+        return _one_hot_argmax(flat).reshape(logits.shape)
     temperature = torch.where(greedy, torch.ones_like(per_row(params.temperature)), per_row(params.temperature))
     probs = torch.softmax(flat / temperature.unsqueeze(-1), dim=-1)
     probs = _filter_top_k_top_p(probs, per_row(params.top_k), per_row(params.top_p))
     if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(-1, flat.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
+        probs = torch.where(greedy.unsqueeze(-1), _one_hot_argmax(flat), probs)
     return probs.reshape(logits.shape)
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+
+
+NUCLEUS_CANDIDATES = 256
+"""Top-k/top-p first look at this many most likely tokens (a partial sort); a row whose kept set
+might reach beyond them falls back to a full sort, so the result is exact either way."""
 
 
 def _filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -126,18 +137,44 @@ def _filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     vocab = probs.shape[-1]
     use_top_k = (top_k > 0) & (top_k < vocab)
     use_top_p = top_p < 1.0
-    if not bool((use_top_k | use_top_p).any()):
+    filtered_rows = use_top_k | use_top_p
+    if not bool(filtered_rows.any()):
         return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    largest_k = int(top_k[use_top_k].max()) if bool(use_top_k.any()) else 0
+    candidates = min(vocab, max(NUCLEUS_CANDIDATES, largest_k))
+    top_probs, top_ids = probs.topk(candidates, dim=-1, sorted=True)
+    kept, drop_rest = _nucleus_mask(top_probs, top_k, top_p, use_top_k, use_top_p)
+    filtered = torch.zeros_like(probs).scatter_(-1, top_ids, top_probs.masked_fill(~kept, 0.0))
+    needs_full_sort = filtered_rows & ~drop_rest
+    if bool(needs_full_sort.any()):
+        rows = needs_full_sort.nonzero().squeeze(1)
+        sorted_probs, order = probs[rows].sort(dim=-1, descending=True)
+        kept_all, _ = _nucleus_mask(sorted_probs, top_k[rows], top_p[rows], use_top_k[rows], use_top_p[rows])
+        filtered[rows] = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs.masked_fill(~kept_all, 0.0))
+    if not bool(filtered_rows.all()):
+        filtered = torch.where(filtered_rows.unsqueeze(-1), filtered, probs)
+    return filtered.div_(filtered.sum(-1, keepdim=True))
+
+
+def _nucleus_mask(
+    sorted_probs: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    use_top_k: torch.Tensor,
+    use_top_p: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep mask over the leading ``sorted_probs`` (descending), and per row whether every token
+    after them is certainly dropped (so the leading ones decide the whole row)."""
+    width = sorted_probs.shape[-1]
+    rank = torch.arange(width, device=sorted_probs.device).unsqueeze(0)
+    cumulative = torch.cumsum(sorted_probs, dim=-1)
+    mass_before = cumulative - sorted_probs
     drop = (use_top_k.unsqueeze(-1) & (rank >= top_k.unsqueeze(-1))) | (
         use_top_p.unsqueeze(-1) & (mass_before > top_p.unsqueeze(-1))
     )
     drop[:, 0] = False  # the most likely token always survives
-    kept = sorted_probs.masked_fill(drop, 0.0)
-    filtered = torch.zeros_like(probs).scatter_(-1, order, kept)
-    return filtered / filtered.sum(-1, keepdim=True)
+    drop_rest = (use_top_k & (top_k <= width)) | (use_top_p & (cumulative[:, -1] > top_p))
+    return ~drop, drop_rest
 
 
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
