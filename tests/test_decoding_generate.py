@@ -59,14 +59,15 @@ class OracleDrafter:
 
     def markov_bias(self, prev, hidden, state):
         slot = 0 if state is None else state
-        bias = torch.zeros(len(self.rows), TINY_VOCAB, dtype=hidden.dtype)
+        vocab = self.inner.config.vocab_size
+        bias = torch.zeros(len(self.rows), vocab, dtype=hidden.dtype)
         for index, (row, position) in enumerate(zip(self.rows, self.positions)):
             wanted = position + slot + 1
             sequence = self.sequences[row]
             if wanted < len(sequence):
                 token = sequence[wanted]
                 if (row * 7 + wanted * 13 + slot * 5) % 3 == 0:
-                    token = (token + 1) % TINY_VOCAB
+                    token = (token + 1) % vocab
                 bias[index, token] = self.strength
         return bias, slot + 1
 
@@ -127,6 +128,34 @@ def test_real_random_drafter_greedy_also_matches(target, expected_greedy) -> Non
     out = generate(target, drafter, PROMPTS, MAX_NEW, temperature=0.0)
     assert out.tokens == expected_greedy
     assert out.rounds[0].confidence_logits.shape == (len(PROMPTS), 5)
+
+
+def test_greedy_matches_for_a_qwen3_target() -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from sglang_dspark.model import DSparkDrafter
+
+    config = Qwen3Config(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=6,
+                         num_attention_heads=6, num_key_value_heads=2, head_dim=16, rope_theta=1e6,
+                         max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        qwen = Qwen3ForCausalLM(config).to(torch.float64).eval()
+        drafter = DSparkDrafter.for_target(qwen, num_draft_layers=1, block_size=5, mask_token_id=255, markov_rank=8)
+    prompts = [[3, 4, 5, 6, 7, 8], [9, 10]]
+    sequences = [p + greedy_reference(qwen, p, 16) for p in prompts]
+    out = generate(qwen, OracleDrafter(drafter, sequences, 1e3), prompts, 10, temperature=0.0)
+    assert out.tokens == [s[len(p): len(p) + 10] for p, s in zip(prompts, sequences)]
+    assert max(a for r in out.rounds for a in r.accepted) >= 2
+
+
+def test_reduced_draft_vocabulary_drafter(target, expected_greedy) -> None:
+    drafter = make_tiny_drafter(target, gamma=4, draft_vocab_size=128)
+    greedy = generate(target, drafter, PROMPTS, MAX_NEW, temperature=0.0)
+    assert greedy.tokens == expected_greedy
+    sampled = generate(target, drafter, PROMPTS, 8, temperature=1.0, seed=3)
+    assert [len(t) for t in sampled.tokens] == [8, 8, 8]
+    assert all(0 <= t < TINY_VOCAB for tokens in sampled.tokens for t in tokens)
 
 
 def test_stops_exactly_at_max_new_tokens_and_at_eos(target, greedy_sequences, expected_greedy) -> None:
