@@ -123,3 +123,19 @@ def test_batch_mismatch_is_an_error() -> None:
 def test_importing_decoding_does_not_import_sglang() -> None:
     code = "import sys, sglang_dspark.decoding; assert 'sglang' not in sys.modules, 'sglang imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sample_from_probs_follows_the_distribution_and_never_draws_zeros() -> None:
+    from decoding_stats import FALSE_ALARM_RATE, chi_square_p_value
+
+    from sglang_dspark.decoding.sampling import sample_from_probs
+
+    weights = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0, 0.0])
+    rows = weights.expand(20_000, -1) * 3.0  # unnormalised rows are fine
+    draws = sample_from_probs(rows, torch.Generator().manual_seed(0))
+    counts = torch.bincount(draws, minlength=len(weights))
+    assert int(counts[weights == 0].sum()) == 0
+    assert chi_square_p_value(counts, weights) > FALSE_ALARM_RATE
+    one_hot = torch.zeros(3, 9)
+    one_hot[torch.arange(3), torch.tensor([0, 4, 8])] = 1.0
+    assert sample_from_probs(one_hot, None).tolist() == [0, 4, 8]

@@ -1,12 +1,13 @@
 """Benchmark: the per-step cost of the sampling transform and of verification, on this machine.
 
-    python -m sglang_dspark.decoding.bench [--vocab 49152] [--gamma 7] [--repeats 20]
+    python -m sglang_dspark.decoding.bench [--vocab 49152] [--gamma 7] [--repeats 20] [--logit-scale 8]
 
 The SGLang worker calls ``logits_to_probs`` (inside ``sample_block``, once per slot) and
 ``verify`` on every decode step, so their cost adds straight to each step. This times both on
 random logits with SmolLM2-135M's vocabulary, at batch 1 and 8, for greedy, temperature 1 and
-temperature 0.7 with top-p 0.9 (the nucleus needs a sort over the vocabulary). Prints JSON with
-median milliseconds.
+temperature 0.7 with top-p 0.9. Logits are N(0, scale^2): scale 8 gives language-model-like peaked
+rows (a nucleus of a few tokens, the partial-sort path); scale 1 gives flat rows whose nucleus
+needs the full sort. Prints JSON with median milliseconds.
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def bench_case(batch: int, vocab: int, gamma: int, setting: tuple[float, float, int], repeats: int) -> dict:
+def bench_case(
+    batch: int, vocab: int, gamma: int, setting: tuple[float, float, int], repeats: int, scale: float
+) -> dict:
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams.uniform(batch, *setting)
-    draft_logits = torch.randn(batch, gamma, vocab, generator=generator) * 3
-    target_logits = torch.randn(batch, gamma + 1, vocab, generator=generator) * 3
+    draft_logits = torch.randn(batch, gamma, vocab, generator=generator) * scale
+    target_logits = torch.randn(batch, gamma + 1, vocab, generator=generator) * scale
     draft_probs = logits_to_probs(draft_logits, params)
     drafts = sample_from_probs(draft_probs.reshape(-1, vocab), generator).reshape(batch, gamma)
     block = DraftBlock(drafts, None if bool(params.greedy.all()) else draft_probs, torch.zeros(batch, gamma))
@@ -60,16 +63,17 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--logit-scale", type=float, default=8.0)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     results = [
-        bench_case(batch, args.vocab, args.gamma, setting, args.repeats)
+        bench_case(batch, args.vocab, args.gamma, setting, args.repeats, args.logit_scale)
         for batch in (1, 8)
         for setting in SETTINGS.values()
     ]
-    print(json.dumps({"vocab": args.vocab, "gamma": args.gamma, "threads": torch.get_num_threads(),
-                      "results": results}, indent=2))
+    print(json.dumps({"vocab": args.vocab, "gamma": args.gamma, "logit_scale": args.logit_scale,
+                      "threads": torch.get_num_threads(), "results": results}, indent=2))
 
 
 if __name__ == "__main__":

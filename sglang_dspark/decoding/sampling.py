@@ -178,5 +178,15 @@ def _nucleus_mask(
 
 
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id per row of ``probs [N, V]`` (rows need not be normalised)."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """One token id per row of ``probs [N, V]`` (non-negative, rows need not be normalised).
+
+    Inverse-CDF sampling: one uniform per row against the fp64 cumulative sum. On CPU this is
+    several times faster than ``torch.multinomial`` over a large vocabulary, and fp64 keeps the
+    cumulative rounding far below any probability that matters. A zero-probability token can
+    never be drawn: its CDF step is empty.
+    """
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]
+    uniform = torch.rand(total.shape, generator=generator, device=probs.device, dtype=torch.float64)
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
