@@ -46,7 +46,7 @@ def _tiny_setup(tmp_path, num_seqs: int = 24):
 def _settings(steps: int) -> TrainSettings:
     return TrainSettings(layers=1, block_size=4, draft_vocab_size=384, mask_token_id=TINY_MASK_TOKEN_ID,
                          anchors_per_seq=16, seqs_per_step=4, steps=steps, lr=1e-2, seed=0,
-                         checkpoint_every=1000, eval_every=steps, holdout_seqs=4)
+                         checkpoint_every=1000, eval_every=steps, holdout_fraction=0.2)
 
 
 def test_loss_falls_and_both_drafters_ship(tmp_path):

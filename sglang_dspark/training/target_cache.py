@@ -44,6 +44,7 @@ class TargetCache:
     offsets: torch.Tensor  # int64 [S+1]
     domains: list[str]
     meta: dict
+    ids: list[str] | None = None  # record ids, stable across cache growth (holdout membership)
 
     @property
     def num_sequences(self) -> int:
@@ -189,6 +190,7 @@ def cache_in_memory(model, records: list[dict], layer_ids: list[int], top_k: int
         domains=[s["domain"] for s in sequences],
         meta={"layer_ids": list(layer_ids), "top_k": top_k, "target": "in-memory",
               "tokens": int(lengths.sum())},
+        ids=[s["id"] for s in sequences],
     )
 
 
@@ -233,6 +235,7 @@ def load_target_cache(cache_dir: Path) -> TargetCache:
         offsets=torch.cat(offsets),
         domains=[d for s in shards for d in s["domains"]],
         meta={k: index[k] for k in ("layer_ids", "top_k", "target", "tokens")},
+        ids=[i for s in shards for i in s["ids"]],
     )
 
 
@@ -261,4 +264,5 @@ def load_target_caches(cache_dirs: list[Path]) -> TargetCache:
         offsets=torch.cat(offsets),
         domains=[d for c in caches for d in c.domains],
         meta={**first.meta, "tokens": total, "folders": [str(d) for d in cache_dirs]},
+        ids=[i for c in caches for i in (c.ids or [])],
     )

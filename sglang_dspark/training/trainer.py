@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -71,7 +72,7 @@ class TrainSettings:
     seed: int = 0
     checkpoint_every: int = 200
     eval_every: int = 100
-    holdout_seqs: int = 48
+    holdout_fraction: float = 0.08
     # bf16 autocast made a CPU step 2.7x slower here (weight casts dominate at these sizes)
     bf16_autocast: bool = False
     extra: dict = field(default_factory=dict)
@@ -307,11 +308,18 @@ class SequenceSampler:
         self.queue = state["queue"]
 
 
-def split_holdout(cache: TargetCache, count: int, seed: int) -> tuple[list[int], list[int]]:
-    """(train, holdout) sequence indices; the holdout is for the tau-vs-time curve only."""
-    order = torch.randperm(cache.num_sequences, generator=torch.Generator().manual_seed(seed + 1))
-    count = min(count, cache.num_sequences // 10)
-    return sorted(order[count:].tolist()), sorted(order[:count].tolist())
+def split_holdout(cache: TargetCache, fraction: float) -> tuple[list[int], list[int]]:
+    """(train, holdout) sequence indices; the holdout is for the tau-vs-time curve only.
+
+    Membership hashes the record id, so it never changes when the cache grows between runs: a
+    sequence trained on in one run can never be held out in the next.
+    """
+    if cache.ids is None:
+        raise ValueError("the target cache has no record ids; rebuild it with this version")
+    buckets = [zlib.crc32(i.encode()) % 10_000 for i in cache.ids]
+    holdout = [n for n, b in enumerate(buckets) if b < fraction * 10_000]
+    train = [n for n, b in enumerate(buckets) if b >= fraction * 10_000]
+    return train, holdout
 
 
 @torch.no_grad()
@@ -387,17 +395,20 @@ def train_drafters(cache: TargetCache, target_dir: Path, specs: list[DrafterSpec
     layer_ids = list(cache.meta["layer_ids"])
     weights = load_target_weights(target_dir)
     eos = _eos_id(target_dir)
-    d2t = draft_vocabulary(cache, settings.draft_vocab_size, always=[eos])
+    # a resumed run keeps the vocabulary it started with, even if the cache has grown since
+    d2t = _checkpoint_d2t(specs)
+    if d2t is None:
+        d2t = draft_vocabulary(cache, settings.draft_vocab_size, always=[eos])
     t2d = target_to_draft(d2t, weights.embed_tokens.shape[0])
     coverage = vocab_coverage(cache, t2d)
-    train_idx, holdout = split_holdout(cache, settings.holdout_seqs, settings.seed)
+    train_idx, holdout = split_holdout(cache, settings.holdout_fraction)
     sampler = SequenceSampler(train_idx, cache.lengths(), settings.seqs_per_step, settings.seed)
     batch_generator = torch.Generator().manual_seed(settings.seed + 2)
     runs = []
     start_step = 0
     for spec in specs:
         run = DrafterRun(spec, build_drafter(target_dir, spec, settings, layer_ids, d2t, weights), settings)
-        resumed = _resume(run, sampler, batch_generator, d2t)
+        resumed = _resume(run, sampler, batch_generator, d2t, cache.num_sequences)
         start_step = resumed if not runs else _same_step(start_step, resumed, spec)
         runs.append(run)
     started = time.perf_counter()
@@ -419,13 +430,13 @@ def train_drafters(cache: TargetCache, target_dir: Path, specs: list[DrafterSpec
             for run in runs:
                 _log_eval(run, done, cache, holdout, t2d, settings)
         if done % settings.checkpoint_every == 0 or done == settings.steps:
-            _checkpoint_all(runs, done, sampler, batch_generator, d2t)
+            _checkpoint_all(runs, done, sampler, batch_generator, d2t, cache.num_sequences)
     else:
         step = settings.steps
     if bar is not None:
         bar.close()
     final_step = step if step < settings.steps else settings.steps
-    _checkpoint_all(runs, final_step, sampler, batch_generator, d2t)
+    _checkpoint_all(runs, final_step, sampler, batch_generator, d2t, cache.num_sequences)
     summary = {"step": final_step, "draft_vocab_size": len(d2t), "vocab_coverage": round(coverage, 4),
                "cache_tokens": int(cache.meta["tokens"]), "train_sequences": len(train_idx)}
     for run in runs:
@@ -454,15 +465,23 @@ def _log_eval(run: DrafterRun, step: int, cache: TargetCache, holdout: list[int]
 
 
 def _checkpoint_all(runs: list[DrafterRun], step: int, sampler: SequenceSampler,
-                    batch_generator: torch.Generator, d2t: torch.Tensor) -> None:
+                    batch_generator: torch.Generator, d2t: torch.Tensor, num_sequences: int) -> None:
     extra = {"sampler": sampler.state_dict(), "batch_generator": batch_generator.get_state(),
-             "torch_rng": torch.get_rng_state(), "d2t": d2t}
+             "torch_rng": torch.get_rng_state(), "d2t": d2t, "num_sequences": num_sequences}
     for run in runs:
         run.save_checkpoint(step, extra)
 
 
+def _checkpoint_d2t(specs: list[DrafterSpec]) -> torch.Tensor | None:
+    for spec in specs:
+        state_path = Path(spec.out) / CHECKPOINT_DIR / "training_state.pt"
+        if state_path.exists():
+            return torch.load(state_path, weights_only=False)["d2t"]
+    return None
+
+
 def _resume(run: DrafterRun, sampler: SequenceSampler, batch_generator: torch.Generator,
-            d2t: torch.Tensor) -> int:
+            d2t: torch.Tensor, num_sequences: int) -> int:
     folder = run.out / CHECKPOINT_DIR
     if not (folder / "training_state.pt").exists():
         return 0
@@ -471,17 +490,20 @@ def _resume(run: DrafterRun, sampler: SequenceSampler, batch_generator: torch.Ge
     state = torch.load(folder / "training_state.pt", weights_only=False)
     if not torch.equal(state["d2t"], d2t):
         raise ValueError(
-            f"{folder}: the checkpoint's draft vocabulary differs from this data's; resume with the "
-            "same target cache (or start a new --out)"
+            f"{folder}: its draft vocabulary differs from the other drafters' of this run; drafters "
+            "trained together must share one vocabulary (use separate --out folders)"
         )
     tensors = load_file(str(folder / "model.safetensors"))
     tensors.pop("d2t", None)
     run.drafter.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
     run.optimizer.load_state_dict(state["optimizer"])
     run.train_seconds = state["train_seconds"]
-    sampler.load_state_dict(state["sampler"])
     batch_generator.set_state(state["batch_generator"])
     torch.set_rng_state(state["torch_rng"])
+    if state.get("num_sequences") == num_sequences:
+        sampler.load_state_dict(state["sampler"])
+    else:  # the cache grew: start a fresh (seeded) epoch over all of it
+        sampler.generator.manual_seed(run.settings.seed + int(state["step"]))
     return int(state["step"])
 
 
