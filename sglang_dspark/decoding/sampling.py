@@ -127,9 +127,10 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
 
 
-NUCLEUS_CANDIDATES = 256
-"""Top-k/top-p first look at this many most likely tokens (a partial sort); a row whose kept set
-might reach beyond them falls back to a full sort, so the result is exact either way."""
+NUCLEUS_CANDIDATES = (256, 4096)
+"""Top-k/top-p look at this many most likely tokens first (a partial sort), widening to the next
+size, and finally the whole vocabulary, only for rows whose kept set might reach further. The
+result is exact either way; peaked rows (the usual case for a language model) stay cheap."""
 
 
 def _filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -137,22 +138,23 @@ def _filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     vocab = probs.shape[-1]
     use_top_k = (top_k > 0) & (top_k < vocab)
     use_top_p = top_p < 1.0
-    filtered_rows = use_top_k | use_top_p
-    if not bool(filtered_rows.any()):
+    unresolved = use_top_k | use_top_p
+    if not bool(unresolved.any()):
         return probs
+    filtered = probs.clone()
     largest_k = int(top_k[use_top_k].max()) if bool(use_top_k.any()) else 0
-    candidates = min(vocab, max(NUCLEUS_CANDIDATES, largest_k))
-    top_probs, top_ids = probs.topk(candidates, dim=-1, sorted=True)
-    kept, drop_rest = _nucleus_mask(top_probs, top_k, top_p, use_top_k, use_top_p)
-    filtered = torch.zeros_like(probs).scatter_(-1, top_ids, top_probs.masked_fill(~kept, 0.0))
-    needs_full_sort = filtered_rows & ~drop_rest
-    if bool(needs_full_sort.any()):
-        rows = needs_full_sort.nonzero().squeeze(1)
-        sorted_probs, order = probs[rows].sort(dim=-1, descending=True)
-        kept_all, _ = _nucleus_mask(sorted_probs, top_k[rows], top_p[rows], use_top_k[rows], use_top_p[rows])
-        filtered[rows] = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs.masked_fill(~kept_all, 0.0))
-    if not bool(filtered_rows.all()):
-        filtered = torch.where(filtered_rows.unsqueeze(-1), filtered, probs)
+    for width in sorted({min(vocab, max(c, largest_k)) for c in NUCLEUS_CANDIDATES} | {vocab}):
+        rows = unresolved.nonzero().squeeze(1)
+        top_probs, top_ids = probs[rows].topk(width, dim=-1, sorted=True)
+        kept, resolved = _nucleus_mask(top_probs, top_k[rows], top_p[rows], use_top_k[rows], use_top_p[rows])
+        resolved |= width == vocab
+        done = rows[resolved]
+        filtered[done] = probs.new_zeros(len(done), vocab).scatter_(
+            -1, top_ids[resolved], top_probs[resolved].masked_fill(~kept[resolved], 0.0)
+        )
+        unresolved[done] = False
+        if not bool(unresolved.any()):
+            break
     return filtered.div_(filtered.sum(-1, keepdim=True))
 
 
