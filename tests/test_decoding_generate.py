@@ -14,10 +14,15 @@ computed by enumerating the target.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from decoding_stats import FALSE_ALARM_RATE, chi_square_p_value, total_variation
-from tiny import TINY_VOCAB, make_tiny_drafter, make_tiny_target
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decoding_stats import FALSE_ALARM_RATE, chi_square_p_value, total_variation  # noqa: E402
+from tiny import TINY_VOCAB, make_tiny_drafter, make_tiny_target  # noqa: E402
 
 from sglang_dspark.decoding import SamplingParams, generate, logits_to_probs, verification
 

@@ -9,11 +9,15 @@ broken rules, which shows it has the power to catch a real bug.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from decoding_stats import FALSE_ALARM_RATE, chi_square_p_value, total_variation
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decoding_stats import FALSE_ALARM_RATE, chi_square_p_value, total_variation  # noqa: E402
 
 from sglang_dspark.decoding import DraftBlock, SamplingParams, logits_to_probs, sample_block, verify
 from sglang_dspark.decoding import verification
