@@ -24,7 +24,7 @@ from sglang_dspark.decoding import verification
 from sglang_dspark.decoding.verification import NO_TOKEN
 
 
-def greedy_block(tokens: list[list[int]], vocab: int) -> DraftBlock:
+def greedy_block(tokens: list[list[int]]) -> DraftBlock:
     drafts = torch.tensor(tokens)
     return DraftBlock(tokens=drafts, probs=None, confidence_logits=torch.zeros(drafts.shape))
 
@@ -38,7 +38,7 @@ def logits_with_argmax(argmax: list[list[int]], vocab: int) -> torch.Tensor:
 
 
 def test_greedy_accepts_the_matching_prefix_then_emits_the_target_argmax() -> None:
-    block = greedy_block([[3, 4, 5], [3, 4, 5], [3, 4, 5], [1, 1, 1]], vocab=8)
+    block = greedy_block([[3, 4, 5], [3, 4, 5], [3, 4, 5], [1, 1, 1]])
     logits = logits_with_argmax([[3, 4, 6, 7], [3, 4, 5, 7], [3, 4, 5, 7], [2, 1, 1, 1]], vocab=8)
     result = verify(block, logits, torch.tensor([3, 3, 1, 3]), SamplingParams.uniform(4, 0.0))
     assert result.num_accepted.tolist() == [2, 3, 1, 0]
@@ -51,7 +51,7 @@ def test_greedy_accepts_the_matching_prefix_then_emits_the_target_argmax() -> No
 
 
 def test_zero_drafts_just_samples_the_bonus_at_slot_zero() -> None:
-    block = greedy_block([[3, 4]], vocab=8)
+    block = greedy_block([[3, 4]])
     logits = logits_with_argmax([[6]], vocab=8)  # only the anchor's slot was computed
     result = verify(block, logits, torch.tensor([0]), SamplingParams.uniform(1, 0.0))
     assert result.num_accepted.tolist() == [0] and result.tokens.tolist() == [[6]]
@@ -87,7 +87,7 @@ def test_mixed_greedy_and_sampled_rows_in_one_batch() -> None:
 
 
 def test_verify_rejects_inconsistent_shapes() -> None:
-    block = greedy_block([[1, 2]], vocab=4)
+    block = greedy_block([[1, 2]])
     with pytest.raises(ValueError, match="verify_lens must be in 0..1"):
         verify(block, torch.zeros(1, 2, 4), torch.tensor([2]), SamplingParams.uniform(1, 0.0))
     with pytest.raises(ValueError, match="1..gamma\\+1"):
