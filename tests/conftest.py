@@ -18,8 +18,9 @@ PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "cpu-smollm2-135
 SERVER_FLAVOURS = {
     # name: (extra launch_server arguments, extra environment)
     "baseline": ([], {}),
-    # verify every draft: uniform windows, overlap scheduling on
-    "dspark_overlap": (["--speculative-algorithm", "DSPARK_LIVE"], {}),
+    # verify every draft: uniform windows, overlap scheduling on; prompts over 48 tokens are
+    # prefilled in chunks, so the drafter context is seeded chunk by chunk
+    "dspark_overlap": (["--speculative-algorithm", "DSPARK_LIVE", "--chunked-prefill-size", "48"], {}),
     # the production planner (any cost table will do: it only has to make windows ragged),
     # overlap scheduling off
     "dspark_sync": (["--speculative-algorithm", "DSPARK_LIVE", "--disable-overlap-schedule"],
