@@ -82,7 +82,9 @@ class DSparkLiveWorker(BaseSpecWorker):
         self.model_runner.model.set_dflash_layers_to_capture(list(self.drafter.target_layer_ids))
         self.planner = VerifyPlanner(self.settings)
         self.recorder = StepRecorder(self.settings.max_records, self.settings.step_log)
+        # drafting runs on the device, acceptance on host copies of the verify logits
         self.generator = torch.Generator(device=self.device).manual_seed(self.settings.seed)
+        self.verify_generator = torch.Generator().manual_seed(self.settings.seed + 1)
         self.context: DraftContextCache | None = None
         self.vocab_size = self.model_runner.model_config.vocab_size
         self._step = 0
@@ -191,7 +193,8 @@ class DSparkLiveWorker(BaseSpecWorker):
             )
 
         hidden = self.drafter.forward_block(self.context, slots, bonus)[:, : self.gamma]
-        draft = sample_block(self.drafter, hidden, bonus, params, self.generator, target_vocab_size=self.vocab_size)
+        draft = sample_block(self.drafter, hidden, bonus.to(self.device), params.to(self.device), self.generator,
+                             target_vocab_size=self.vocab_size)
         rids = [req.rid for req in batch.reqs]
         plan = self.planner.plan(rids, draft.confidence_logits, seq_lens)
         drafted = time.perf_counter()
@@ -199,7 +202,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         logits, taps = self._verify_forward(batch, slots, seq_lens, bonus, draft.tokens, plan.verify_lens)
         verified = time.perf_counter()
         window_lens = plan.verify_lens + 1
-        outcome = verify(draft, _pad_rows(logits, window_lens), plan.verify_lens, params, self.generator)
+        outcome = verify(draft, _pad_rows(logits, window_lens), plan.verify_lens, params, self.verify_generator)
         accept_lens = outcome.num_accepted + 1
         new_seq_lens = seq_lens + accept_lens
         self.drafter.append_context(self.context, slots, _committed_rows(taps, window_lens, accept_lens),
