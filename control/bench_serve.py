@@ -25,11 +25,10 @@ DOMAINS = ("math", "code", "chat")
 
 
 def eval_prompts(per_domain: int) -> dict[str, list[str]]:
-    """Held-out prompts (the eval split the drafter never trained on)."""
-    from sglang_dspark.training.data import build_splits
+    """Held-out prompts (the shipped eval split the drafter never trained on)."""
+    from sglang_dspark.training.data import split_prompts
 
-    splits, _ = build_splits(seed=0)
-    return {domain: splits["eval"][domain][:per_domain] for domain in DOMAINS}
+    return {domain: [r["prompt"] for r in split_prompts("eval", domain)][:per_domain] for domain in DOMAINS}
 
 
 def chat_texts(model_path: str, prompts: list[str]) -> list[str]:
