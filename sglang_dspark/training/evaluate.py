@@ -354,3 +354,42 @@ def _calibration_for(path: str, drafter, target, tokenizer, calibration_prompts,
     if sts_path.exists():
         return StsCalibration.load(sts_path)
     return None
+
+
+def plot_training_curves(logs: dict[str, Path], path: Path) -> None:
+    """Held-out teacher-forced tau (T=1 expected and greedy chain) against training seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for name, log in logs.items():
+        rows = [json.loads(line) for line in Path(log).read_text().splitlines() if line.strip()]
+        minutes = [row["train_seconds"] / 60 for row in rows]
+        axes[0].plot(minutes, [row["holdout_tau_t1"] for row in rows], marker=".", label=name)
+        axes[1].plot(minutes, [row["holdout_tau_greedy"] for row in rows], marker=".", label=name)
+    for axis, title in zip(axes, ("expected tau at T=1 (held-out)", "greedy tau (held-out)")):
+        axis.set_title(title)
+        axis.set_xlabel("training wall minutes (this CPU, shared)")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from evaluations run as separate processes on the same prompts and settings."""
+    merged = {key: value for key, value in reports[0].items() if key != "drafters"}
+    merged["drafters"] = {}
+    for report in reports:
+        for key in ("temperature", "max_new_tokens", "prompts", "seed", "verify_length"):
+            if report.get(key) != merged.get(key):
+                raise ValueError(f"cannot merge reports that differ in {key}: {report.get(key)} vs {merged.get(key)}")
+        merged["drafters"].update(report["drafters"])
+    names = list(merged["drafters"])
+    if len(names) == 2:
+        first, second = (merged["drafters"][n]["macro_tau"] for n in names)
+        merged["macro_tau_ratio"] = {f"{names[0]}/{names[1]}": first / second}
+    return merged
