@@ -18,7 +18,7 @@ from pathlib import Path
 import typer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DRAFTER_SEARCH = ("drafters", "profiles")
+SHIPPED_DRAFTER = "drafters/smollm2-135m-dspark"
 
 
 @dataclass
@@ -68,15 +68,11 @@ class ServerLaunch:
 
 
 def find_shipped_drafter() -> Path | None:
-    """The drafter this repository ships for the default target (a folder with config.json)."""
-    for folder in DRAFTER_SEARCH:
-        root = REPO_ROOT / folder
-        if not root.is_dir():
-            continue
-        for config in sorted(root.glob("**/config.json")):
-            if (config.parent / "model.safetensors").exists():
-                return config.parent
-    return None
+    """The DSpark drafter this repository ships for the default target, or None if it is missing.
+
+    Named explicitly: `drafters/` also holds the DFlash twin, which has no confidence head."""
+    drafter = REPO_ROOT / SHIPPED_DRAFTER
+    return drafter if (drafter / "config.json").is_file() and (drafter / "model.safetensors").is_file() else None
 
 
 def prepared_target_path() -> str:

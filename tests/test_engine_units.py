@@ -41,8 +41,9 @@ def test_verify_attention_equals_causal_attention_over_the_whole_sequence():
         start += window
 
 
-def _draft_folder(tmp_path, block_size=4):
-    (tmp_path / "config.json").write_text(json.dumps({"block_size": block_size}))
+def _draft_folder(tmp_path, block_size=4, confidence_head=True):
+    config = {"block_size": block_size, "enable_confidence_head": confidence_head}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     return tmp_path
 
 
@@ -65,6 +66,25 @@ def test_bad_knobs_fail_with_what_was_expected(tmp_path, monkeypatch, name, valu
     monkeypatch.setenv(name, value)
     with pytest.raises(SettingsError, match=message):
         load_settings(_draft_folder(tmp_path))
+
+
+def test_a_drafter_without_confidence_head_cannot_use_the_production_planner(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_PLANNER", "production")
+    with pytest.raises(SettingsError, match="needs a drafter with a confidence head"):
+        load_settings(_draft_folder(tmp_path, confidence_head=False))
+
+
+@pytest.mark.parametrize("planner,drafts", [("all", 4), ("fixed:2", 2)])
+def test_a_drafter_without_confidence_head_plans_without_survivals(tmp_path, monkeypatch, planner, drafts):
+    """A DFlash drafter drafts no confidence logits; the step must still plan (it once crashed the server)."""
+    from sglang_dspark.engine.planning import VerifyPlanner
+
+    for name in ("DSPARK_GAMMA", "DSPARK_SPS_PATH", "DSPARK_STS_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DSPARK_PLANNER", planner)
+    planner = VerifyPlanner(load_settings(_draft_folder(tmp_path, confidence_head=False)))
+    plan = planner.plan(["a", "b"], None, torch.tensor([10, 20]))
+    assert plan.verify_lens.tolist() == [drafts, drafts] and plan.survivals is None
 
 
 def test_a_folder_without_config_is_not_a_drafter(tmp_path):

@@ -26,8 +26,8 @@ class Plan:
     verify_lens: torch.Tensor
     capacity: int | None
     predicted_seconds: float | None
-    confidence_logits: torch.Tensor
-    survivals: torch.Tensor
+    confidence_logits: torch.Tensor | None
+    survivals: torch.Tensor | None
 
 
 class VerifyPlanner:
@@ -67,10 +67,19 @@ class VerifyPlanner:
             return self.calibration.apply(confidence_logits).to(torch.float32)
         return torch.cumprod(torch.sigmoid(confidence_logits.to(torch.float32)), dim=-1)
 
-    def plan(self, request_ids: list, confidence_logits: torch.Tensor, context_lens: torch.Tensor) -> Plan:
+    def plan(self, request_ids: list, confidence_logits: torch.Tensor | None, context_lens: torch.Tensor) -> Plan:
+        """Verify lengths for this step. `confidence_logits` is None for a drafter without a
+        confidence head (a DFlash drafter): only `all` and `fixed` can plan without survivals, and
+        `load_settings` refuses `production` for such a drafter at launch."""
+        batch = len(request_ids)
+        if confidence_logits is None:
+            if self.settings.planner == "production":
+                raise ValueError("the production planner needs a drafter with a confidence head")
+            drafts = self.gamma if self.settings.planner == "all" else self.settings.fixed_drafts
+            return Plan(verify_lens=torch.full((batch,), drafts, dtype=torch.long), capacity=None,
+                        predicted_seconds=None, confidence_logits=None, survivals=None)
         confidence_logits = confidence_logits[:, : self.gamma].float().cpu()
         survivals = self.survivals(confidence_logits)
-        batch = len(request_ids)
         capacity = predicted = None
         if self.settings.planner == "all":
             verify_lens = torch.full((batch,), self.gamma, dtype=torch.long)

@@ -104,6 +104,11 @@ def load_settings(draft_path: str | Path) -> LiveSettings:
         if not argument.isdigit() or not 0 <= int(argument) <= gamma:
             raise SettingsError(f"DSPARK_PLANNER={planner_raw!r}: expected fixed:N with 0 <= N <= gamma={gamma}")
         fixed_drafts = int(argument)
+    if planner == "production" and not config.get("enable_confidence_head", False):
+        raise SettingsError(
+            f"DSPARK_PLANNER=production needs a drafter with a confidence head; {draft_path}/config.json has "
+            "enable_confidence_head=false (a DFlash drafter): use DSPARK_PLANNER=all or fixed:N"
+        )
     if planner == "production" and sps_path is None:
         raise SettingsError(
             "DSPARK_PLANNER=production needs a cost model: set DSPARK_SPS_PATH or put sps.json in the draft folder"

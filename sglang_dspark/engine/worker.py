@@ -287,8 +287,9 @@ class DSparkLiveWorker(BaseSpecWorker):
     def _record(self, batch, rids, slots, seq_lens, params, plan, num_accepted, started, drafted, verified):
         self._step += 1
         finished = time.perf_counter()
-        confidences = plan.confidence_logits.tolist()
-        survivals = plan.survivals.tolist()
+        no_head = [[] for _ in rids]  # a drafter without a confidence head predicts no survivals
+        confidences = no_head if plan.confidence_logits is None else plan.confidence_logits.tolist()
+        survivals = no_head if plan.survivals is None else plan.survivals.tolist()
         verify_lens = plan.verify_lens.tolist()
         accepted = num_accepted.tolist()
         requests = [
