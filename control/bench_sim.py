@@ -1,14 +1,13 @@
 """`dspark-ctl bench sim | planner | sps-cpu`: the serving simulator, the planner's speed, and
 the CPU cost-model measurement.
 
-torch is imported inside each command body: `import dspark_ctl` stays light.
+The torch work lives in `sglang_dspark.scheduling`, imported inside each command body, so
+`import dspark_ctl` stays light and control/ never imports torch itself.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -43,57 +42,6 @@ def _load_model(path: Path, what: str) -> Any:
         return load_cost_model(path)
     except CostModelError as error:
         raise typer.BadParameter(f"{what}: {error}") from error
-
-
-def plan_speed(batch: int, gamma: int, iterations: int, seed: int = 0) -> dict[str, Any]:
-    """Median wall time (and thread CPU time: on a shared machine wall time includes waiting for
-    a core) of each planner call at (batch, gamma), with the measured CPU table. `scheduled_step`
-    is the worker's whole per-step planner work: decide + fill + publish."""
-    import torch
-
-    from sglang_dspark.scheduling.cost_model import load_cost_model
-    from sglang_dspark.scheduling.planner import (
-        TwoStepCapacityPlanner,
-        fill_capacity,
-        plan_algorithm1,
-        survivals_from_confidences,
-    )
-
-    model = load_cost_model(DEFAULT_TARGET_SPS)
-    generator = torch.Generator().manual_seed(seed)
-    survivals = [
-        survivals_from_confidences(torch.randn(batch, gamma, generator=generator) * 1.5 + 1.5)
-        for _ in range(8)
-    ]
-    ids = list(range(batch))
-    planner = TwoStepCapacityPlanner(model, gamma)
-    for s in survivals[:4]:
-        planner.publish(ids, s)
-    draft_costs = [0.0] + [0.01 * w for w in range(1, gamma + 1)]
-
-    def algorithm1(i: int) -> None:
-        plan_algorithm1(survivals[i % 8], model, context_tokens=batch * 512.0)
-
-    def production(i: int) -> None:
-        decision = planner.decide(ids, context_tokens=batch * 512.0, draft_seconds=draft_costs)
-        fill_capacity(survivals[i % 8], decision.capacity, max_lens=decision.draft_width)
-        planner.publish(ids, survivals[i % 8], max(decision.draft_width, 1))
-
-    report: dict[str, Any] = {"batch": batch, "gamma": gamma, "iterations": iterations,
-                              "torch_threads": torch.get_num_threads()}
-    for name, call in (("algorithm1", algorithm1), ("scheduled_step", production)):
-        for i in range(20):
-            call(i)
-        times, cpu_times = [], []
-        for i in range(iterations):
-            start, cpu_start = time.perf_counter(), time.thread_time()
-            call(i)
-            times.append(time.perf_counter() - start)
-            cpu_times.append(time.thread_time() - cpu_start)
-        report[f"{name}_median_us"] = round(statistics.median(times) * 1e6, 1)
-        report[f"{name}_p90_us"] = round(sorted(times)[int(0.9 * len(times))] * 1e6, 1)
-        report[f"{name}_cpu_median_us"] = round(statistics.median(cpu_times) * 1e6, 1)
-    return report
 
 
 def _plot(results: list[Any], path: Path, title: str) -> None:
@@ -160,8 +108,8 @@ def sim(
     planner_bench: bool = typer.Option(True, help="Include the planner speed benchmark (batch 64, gamma 7)."),
 ) -> None:
     """Simulate decode serving per policy and concurrency: aggregate and per-user tokens/s."""
-    import torch
-
+    from sglang_dspark.runtime import set_torch_threads
+    from sglang_dspark.scheduling.bench import plan_speed
     from sglang_dspark.scheduling.simulator import (
         POLICIES,
         SimSettings,
@@ -171,7 +119,7 @@ def sim(
     )
     from sglang_dspark.scheduling.traces import FileTraces, SyntheticTraces, TraceError
 
-    torch.set_num_threads(1)
+    set_torch_threads(1)
     levels = _parse_ints(concurrency, "--concurrency")
     chosen = [p.strip() for p in policies.split(",") if p.strip()]
     unknown = [p for p in chosen if p not in POLICIES]
@@ -202,8 +150,8 @@ def sim(
             raise typer.BadParameter(f"--sts: cannot use {sts}: {error}") from error
         if calibration.gamma != gamma:
             raise typer.BadParameter(f"--sts is for gamma {calibration.gamma}, traces have {gamma}")
-        temperatures = torch.tensor(calibration.temperatures)
-        biases = torch.tensor(calibration.biases or [0.0] * gamma)
+        temperatures = list(calibration.temperatures)
+        biases = list(calibration.biases or [0.0] * gamma)
     results = [simulate(p, c, target, drafter, source(), settings, temperatures, biases)
                for c in levels for p in chosen]
     matched = matched_throughput(results)
@@ -223,7 +171,7 @@ def sim(
         "checks": _checks(results, matched),
     }
     if planner_bench:
-        report["planner_benchmark"] = plan_speed(64, gamma, 300)
+        report["planner_benchmark"] = plan_speed(DEFAULT_TARGET_SPS, 64, gamma, 300)
     if plot is not None:
         model = target.metadata.get("model")
         name = model.get("name", "target") if isinstance(model, dict) else str(model)
@@ -248,10 +196,11 @@ def planner(
     json_output: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Time the planners at (batch, gamma) on this CPU; medians in microseconds."""
-    import torch
+    from sglang_dspark.runtime import set_torch_threads
+    from sglang_dspark.scheduling.bench import plan_speed
 
-    torch.set_num_threads(threads)
-    report = plan_speed(batch, gamma, iterations)
+    set_torch_threads(threads)
+    report = plan_speed(DEFAULT_TARGET_SPS, batch, gamma, iterations)
     typer.echo(json.dumps(report, indent=1) if json_output else
                f"algorithm1 {report['algorithm1_median_us']} us, scheduled step "
                f"{report['scheduled_step_median_us']} us (median, batch {batch}, gamma {gamma})")
@@ -267,8 +216,7 @@ def sps_cpu(
     """Measure target and drafter-proxy step times on this CPU and fit all cost models."""
     import sys
 
-    import torch
-
+    from sglang_dspark.runtime import set_torch_threads
     from sglang_dspark.scheduling.fit import fit_all
     from sglang_dspark.scheduling.measure import (
         SMOLLM2_135M_SHAPE,
@@ -278,7 +226,7 @@ def sps_cpu(
         probe_grid,
     )
 
-    torch.set_num_threads(threads)
+    set_torch_threads(threads)
     command = "dspark-ctl bench sps-cpu " + " ".join(sys.argv[3:])
     if quick:
         target_shapes = probe_grid([1, 2], [1, 2], [16]) + probe_grid([1, 2], [1, 2], [32])

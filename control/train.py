@@ -50,15 +50,14 @@ def train_command(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Distil a DSpark drafter (and optionally its DFlash twin) from a cached target."""
-    import torch
-
+    from sglang_dspark.runtime import set_torch_threads
     from sglang_dspark.training.target_cache import load_target_caches
     from sglang_dspark.training.trainer import DrafterSpec, TrainSettings, train_drafters
 
     if markov_head not in ("vanilla", "gated", "rnn"):
         raise typer.BadParameter(f"--markov-head must be vanilla, gated or rnn, got {markov_head!r}")
     if threads:
-        torch.set_num_threads(threads)
+        set_torch_threads(threads)
     target_dir = Path(_target_or_default(target))
     specs = [DrafterSpec(out=out, markov_rank=markov_rank, markov_head_type=markov_head,
                          confidence_head=not no_confidence_head)]

@@ -19,6 +19,7 @@ finished requests of output tokens / (finish - start); tau = tokens committed pe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -174,8 +175,8 @@ def simulate(
     drafter: CostModel | None,
     source: RoundSource,
     settings: SimSettings = SimSettings(),
-    temperatures: torch.Tensor | None = None,
-    biases: torch.Tensor | None = None,
+    temperatures: Sequence[float] | torch.Tensor | None = None,
+    biases: Sequence[float] | torch.Tensor | None = None,
 ) -> SimResult:
     """Run one policy at one concurrency until enough requests finished. The planners see
     sigmoid(logit / temperature + bias) survivals (an STS calibration; identity by default)."""
@@ -208,9 +209,9 @@ def simulate(
         draft_seconds = _drafter_seconds(drafter, draft_width, concurrency, context)
         logits, natural = requests.next_rounds()
         if temperatures is not None:
-            logits = logits / temperatures
+            logits = logits / torch.as_tensor(temperatures, dtype=logits.dtype)
         if biases is not None:
-            logits = logits + biases
+            logits = logits + torch.as_tensor(biases, dtype=logits.dtype)
         survivals = survivals_from_confidences(logits)
         lens = _policy_lens(
             policy, survivals, max_lens, lambda: capacity, target, context, draft_seconds
