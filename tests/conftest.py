@@ -83,3 +83,14 @@ def baseline_server(server_pool) -> ServerHandle:
 def dspark_server(server_pool) -> ServerHandle:
     """DSPARK_LIVE with overlap scheduling (SGLang's default)."""
     return server_pool.get("dspark_overlap")[0]
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny torch ops run far faster on one thread than on two contended ones."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

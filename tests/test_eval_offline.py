@@ -13,12 +13,7 @@ from sglang_dspark.training.evaluate import (
 from tests.tiny import make_tiny_drafter, make_tiny_target
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prompts():

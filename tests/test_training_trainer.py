@@ -16,13 +16,7 @@ from tests.tiny import TINY_LAYER_IDS, TINY_MASK_TOKEN_ID, make_tiny_target
 PEAKED_INIT_STD = 0.5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops run far faster on one thread than on two contended ones."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _tiny_setup(tmp_path, num_seqs: int = 24):
