@@ -97,7 +97,7 @@ def generate_command(
     time_budget_min: Optional[float] = typer.Option(None, "--time-budget-min"),
     threads: Optional[int] = typer.Option(None, "--threads"),
 ) -> None:
-    """Answer training prompts with the target itself (batched bf16 sampling)."""
+    """Answer training prompts with the target itself (batched fp32 sampling on the bf16 weights)."""
     from sglang_dspark.training.data import generate_responses
 
     summary = generate_responses(_target_or_default(target), Path(prompts), Path(out), max_new_tokens=max_new_tokens,

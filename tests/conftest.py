@@ -15,6 +15,7 @@ import pytest
 from server_fixtures import ServerHandle, build_tiny_drafter, build_tiny_target, launch_servers
 
 PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "cpu-smollm2-135m-target-context.json"
+FAST_ENGINE_TABLE = Path(__file__).resolve().parent / "data" / "fast-engine-sps.json"
 SERVER_FLAVOURS = {
     # name: (extra launch_server arguments, extra environment)
     "baseline": ([], {}),
@@ -25,6 +26,11 @@ SERVER_FLAVOURS = {
     # overlap scheduling off
     "dspark_sync": (["--speculative-algorithm", "DSPARK_LIVE", "--disable-overlap-schedule"],
                     {"DSPARK_PLANNER": "production", "DSPARK_SPS_PATH": str(PROFILE)}),
+    # the production planner over a table of ~1 ms steps: the drafter costs more than its drafts
+    # return, so most steps skip it and now and then a probe drafts; every step is logged
+    "dspark_skip": (["--speculative-algorithm", "DSPARK_LIVE"],
+                    {"DSPARK_PLANNER": "production", "DSPARK_SPS_PATH": str(FAST_ENGINE_TABLE),
+                     "DSPARK_STEP_LOG": "{log_dir}/dspark_skip-steps.jsonl"}),
 }
 
 
@@ -49,6 +55,7 @@ class ServerPool:
                 args, env = SERVER_FLAVOURS[name]
                 if "--speculative-algorithm" in args:
                     args = [*args, "--speculative-draft-model-path", str(self.drafter)]
+                env = {key: value.format(log_dir=self.log_dir) for key, value in env.items()}
                 specs.append((name, _free_port(), args, env))
             self.running.update(launch_servers(self.target, specs, self.log_dir))
         return [self.running[name] for name in names]

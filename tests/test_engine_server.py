@@ -46,9 +46,10 @@ def greedy(max_new_tokens: int, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def servers(server_pool):
-    """The baseline and DSPARK_LIVE with overlap on and off, started together."""
-    baseline, overlap, sync = server_pool.get("baseline", "dspark_overlap", "dspark_sync")
-    return {"baseline": baseline, "dspark_overlap": overlap, "dspark_sync": sync}
+    """The baseline and DSPARK_LIVE with overlap on and off (and a drafter not worth its cost),
+    started together."""
+    names = ("baseline", "dspark_overlap", "dspark_sync", "dspark_skip")
+    return dict(zip(names, server_pool.get(*names)))
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,19 @@ def test_greedy_output_equals_plain_serving_for_8_concurrent_requests(servers, b
         assert len(window_widths) >= 2, f"verify windows were not ragged: {window_widths}"
     else:  # verify-all
         assert window_widths == {5}
+
+
+def test_a_drafter_not_worth_its_cost_is_skipped_and_output_stays_exact(servers, baseline_outputs, server_pool):
+    requests = [(p, greedy(n, ignore_eos=True)) for p, n in zip(PROMPTS, MAX_NEW)]
+    outputs = generate_all(servers["dspark_skip"].url, requests)
+    for i, (got, want) in enumerate(zip(outputs, baseline_outputs)):
+        assert got["output_ids"] == want["output_ids"], f"request {i} diverged from plain serving"
+    steps = [json.loads(line) for line in (server_pool.log_dir / "dspark_skip-steps.jsonl").read_text().splitlines()]
+    skipped = [step for step in steps if not step["drafted"]]
+    drafted = [step for step in steps if step["drafted"]]
+    assert len(skipped) > len(drafted), f"{len(skipped)} skipped vs {len(drafted)} drafted steps"
+    assert drafted, "the planner never probed the drafter again"
+    assert all(step["verify_tokens"] == step["batch_size"] for step in skipped), "a skipped step verified drafts"
 
 
 @pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])

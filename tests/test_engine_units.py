@@ -151,3 +151,54 @@ def test_production_planner_spends_a_lagged_capacity_on_this_steps_best_survival
         assert int(plan.verify_lens.sum()) == plan.capacity
         # the global top-K goes to the confident request first, the hopeless one last
         assert plan.verify_lens[0] >= plan.verify_lens[2] >= plan.verify_lens[1]
+
+
+def test_draft_cost_tracker_learns_a_line_over_batch_size():
+    from sglang_dspark.engine.planning import DraftCostTracker
+
+    tracker = DraftCostTracker()
+    assert tracker.estimate(8) == 0.0, "optimistic before any measurement, so the planner drafts"
+    tracker.add(4, 0.010)
+    assert tracker.estimate(16) == pytest.approx(0.010)
+    tracker.add(8, 0.018)
+    assert tracker.estimate(16) == pytest.approx(0.034)
+
+
+def _production_planner(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from sglang_dspark.engine.planning import VerifyPlanner
+
+    profile = Path(__file__).resolve().parent.parent / "profiles" / "cpu-smollm2-135m-target-context.json"
+    monkeypatch.setenv("DSPARK_SPS_PATH", str(profile))
+    monkeypatch.setenv("DSPARK_PLANNER", "production")
+    return VerifyPlanner(load_settings(_draft_folder(tmp_path, block_size=7)))
+
+
+def test_production_planner_skips_a_drafter_that_costs_more_than_it_returns(tmp_path, monkeypatch):
+    from sglang_dspark.engine.planning import EXPLORE_EVERY
+
+    planner = _production_planner(tmp_path, monkeypatch)
+    rids, context = ["a", "b"], torch.tensor([100, 100])
+    hopeless = torch.full((2, 7), -8.0)
+    for _ in range(3):
+        planner.plan(rids, hopeless, context)
+    planner.draft_costs.add(2, 1.0)  # a drafter far slower than the target step
+    decisions = [planner.decide(rids, context) for _ in range(2 * EXPLORE_EVERY)]
+    skipped = [not d.draft for d in decisions]
+    assert sum(skipped) >= 2 * EXPLORE_EVERY - 2, "drafts that cannot pay are not drafted"
+    assert not all(skipped), "a probe draft still runs now and then"
+    plan = planner.skipped(rids, context)
+    assert plan.verify_lens.tolist() == [0, 0] and plan.predicted_seconds > 0
+
+
+def test_production_planner_drafts_when_drafts_pay(tmp_path, monkeypatch):
+    planner = _production_planner(tmp_path, monkeypatch)
+    rids, context = ["a", "b"], torch.tensor([100, 100])
+    sure = torch.full((2, 7), 8.0)
+    for _ in range(3):
+        planner.plan(rids, sure, context)
+    planner.draft_costs.add(2, 0.001)
+    decision = planner.decide(rids, context)
+    assert decision.draft and decision.capacity > 0
+    assert int(planner.plan(rids, sure, context, decision).verify_lens.sum()) == decision.capacity

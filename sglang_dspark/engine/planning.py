@@ -2,9 +2,13 @@
 
 * `all`: every request verifies all gamma drafts (no cost model needed).
 * `fixed:N`: every request verifies N drafts (a measurement knob).
-* `production`: capacity K from survivals two steps back (known before the target forward is
-  launched, as overlap scheduling needs), then a global top-K over this step's survivals
-  (`scheduling.TwoStepCapacityPlanner` + `fill_capacity`). Non-anticipating, so lossless.
+* `production`: before the drafter runs, `decide` picks the capacity K and whether to draft at
+  all from survivals two steps back (known before the target forward is launched, as overlap
+  scheduling needs) and the drafter's measured cost at this batch size; then `plan` spends K on a
+  global top-K over this step's survivals (`scheduling.TwoStepCapacityPlanner` +
+  `fill_capacity`). Non-anticipating, so lossless. When drafts are not worth their cost (a weak
+  drafter, a saturated engine) the step skips the drafter and runs as plain decoding, with a
+  probe draft every `EXPLORE_EVERY` steps so the planner sees when drafts become worth it again.
 
 Survivals a_k = prod_{i<=k} sigmoid(c_i / T_i) use the STS temperatures from `DSPARK_STS_PATH` or
 `<draft>/sts.json` (identity without one).
@@ -12,11 +16,52 @@ Survivals a_k = prod_{i<=k} sigmoid(c_i / T_i) use the STS temperatures from `DS
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sglang_dspark.engine.settings import LiveSettings
+
+EXPLORE_EVERY = 16
+"""After this many steps without drafting, the next step drafts anyway (about 1 % extra cost)."""
+
+
+class DraftCostTracker:
+    """Seconds the drafter takes per step, learnt from the steps that drafted.
+
+    A least-squares line over batch size on the recent samples (the block grows with the batch);
+    the mean while every sample has one batch size; 0 before any sample (optimistic: the planner
+    drafts and so measures)."""
+
+    def __init__(self, window: int = 128) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def add(self, batch_size: int, seconds: float) -> None:
+        self._samples.append((batch_size, seconds))
+
+    def estimate(self, batch_size: int) -> float:
+        if not self._samples:
+            return 0.0
+        sizes, seconds = (np.asarray(v, dtype=np.float64) for v in zip(*self._samples))
+        if np.ptp(sizes) == 0:
+            return float(seconds.mean())
+        slope, intercept = np.polyfit(sizes, seconds, 1)
+        return max(0.0, float(intercept + slope * batch_size))
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """Made before drafting: how many block slots to draft (0: skip the drafter) and the
+    capacity K (None: not budgeted)."""
+
+    draft_width: int
+    capacity: int | None
+
+    @property
+    def draft(self) -> bool:
+        return self.draft_width > 0
 
 
 @dataclass(frozen=True)
@@ -39,12 +84,14 @@ class VerifyPlanner:
         self.calibration = self._load_calibration()
         self.capacity_planner = None
         self.cost_model = None
+        self.draft_costs = DraftCostTracker()
         if settings.planner == "production":
             from sglang_dspark.scheduling.cost_model import load_cost_model
             from sglang_dspark.scheduling.planner import TwoStepCapacityPlanner
 
             self.cost_model = load_cost_model(settings.sps_path)
-            self.capacity_planner = TwoStepCapacityPlanner(self.cost_model, gamma=self.gamma, lag=2)
+            self.capacity_planner = TwoStepCapacityPlanner(self.cost_model, gamma=self.gamma, lag=2,
+                                                           explore_every=EXPLORE_EVERY)
 
     def _load_calibration(self):
         """STS temperatures (and biases) cut to gamma, or None for identity."""
@@ -67,33 +114,56 @@ class VerifyPlanner:
             return self.calibration.apply(confidence_logits).to(torch.float32)
         return torch.cumprod(torch.sigmoid(confidence_logits.to(torch.float32)), dim=-1)
 
-    def plan(self, request_ids: list, confidence_logits: torch.Tensor | None, context_lens: torch.Tensor) -> Plan:
-        """Verify lengths for this step. `confidence_logits` is None for a drafter without a
-        confidence head (a DFlash drafter): only `all` and `fixed` can plan without survivals, and
-        `load_settings` refuses `production` for such a drafter at launch."""
+    def decide(self, request_ids: list, context_lens: torch.Tensor) -> StepDecision:
+        """Whether this step drafts and its capacity, from information at least two steps old."""
+        if self.settings.planner != "production":
+            return StepDecision(draft_width=self.gamma, capacity=None)
+        decision = self.capacity_planner.decide(
+            request_ids, context_tokens=float(context_lens.sum()),
+            draft_seconds=self.draft_costs.estimate(len(request_ids)))
+        return StepDecision(draft_width=decision.draft_width, capacity=decision.capacity)
+
+    def plan(self, request_ids: list, confidence_logits: torch.Tensor | None, context_lens: torch.Tensor,
+             decision: StepDecision | None = None) -> Plan:
+        """Verify lengths for this step, given the drafts' confidence logits [B, gamma].
+
+        `confidence_logits` is None for a drafter without a confidence head (a DFlash drafter): only
+        `all` and `fixed` can plan without survivals, and `load_settings` refuses `production` for
+        such a drafter at launch. `decision` is this step's `decide` (made here when not given)."""
         batch = len(request_ids)
+        decision = decision or self.decide(request_ids, context_lens)
         if confidence_logits is None:
             if self.settings.planner == "production":
                 raise ValueError("the production planner needs a drafter with a confidence head")
-            drafts = self.gamma if self.settings.planner == "all" else self.settings.fixed_drafts
-            return Plan(verify_lens=torch.full((batch,), drafts, dtype=torch.long), capacity=None,
+            return Plan(verify_lens=torch.full((batch,), self._static_drafts(), dtype=torch.long), capacity=None,
                         predicted_seconds=None, confidence_logits=None, survivals=None)
         confidence_logits = confidence_logits[:, : self.gamma].float().cpu()
         survivals = self.survivals(confidence_logits)
-        capacity = predicted = None
-        if self.settings.planner == "all":
-            verify_lens = torch.full((batch,), self.gamma, dtype=torch.long)
-        elif self.settings.planner == "fixed":
-            verify_lens = torch.full((batch,), self.settings.fixed_drafts, dtype=torch.long)
-        else:
-            from sglang_dspark.scheduling.cost_model import StepShape
-            from sglang_dspark.scheduling.planner import fill_capacity
+        if self.settings.planner != "production":
+            return Plan(verify_lens=torch.full((batch,), self._static_drafts(), dtype=torch.long), capacity=None,
+                        predicted_seconds=None, confidence_logits=confidence_logits, survivals=survivals)
+        from sglang_dspark.scheduling.planner import fill_capacity
 
-            context = float(context_lens.sum())
-            capacity = self.capacity_planner.capacity(request_ids, context_tokens=context)
-            verify_lens = fill_capacity(survivals, capacity)
-            self.capacity_planner.publish(request_ids, survivals)
-            predicted = self.cost_model.predict(StepShape(num_requests=batch, batch_tokens=batch + int(verify_lens.sum()),
-                                                          context_tokens=int(context)))
-        return Plan(verify_lens=verify_lens, capacity=capacity, predicted_seconds=predicted,
+        if not decision.draft:
+            raise ValueError("plan() needs drafts: a step decided not to draft takes skipped()")
+        verify_lens = fill_capacity(survivals, decision.capacity, max_lens=decision.draft_width)
+        self.capacity_planner.publish(request_ids, survivals, decision.draft_width)
+        return Plan(verify_lens=verify_lens, capacity=decision.capacity,
+                    predicted_seconds=self._predict(batch, int(verify_lens.sum()), context_lens),
                     confidence_logits=confidence_logits, survivals=survivals)
+
+    def skipped(self, request_ids: list, context_lens: torch.Tensor) -> Plan:
+        """The plan of a step that did not draft: every request verifies only its bonus token."""
+        batch = len(request_ids)
+        return Plan(verify_lens=torch.zeros(batch, dtype=torch.long), capacity=0,
+                    predicted_seconds=self._predict(batch, 0, context_lens), confidence_logits=None,
+                    survivals=None)
+
+    def _static_drafts(self) -> int:
+        return self.gamma if self.settings.planner == "all" else self.settings.fixed_drafts
+
+    def _predict(self, batch: int, drafts: int, context_lens: torch.Tensor) -> float:
+        from sglang_dspark.scheduling.cost_model import StepShape
+
+        shape = StepShape(num_requests=batch, batch_tokens=batch + drafts, context_tokens=int(context_lens.sum()))
+        return self.cost_model.predict(shape)

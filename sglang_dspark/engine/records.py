@@ -44,6 +44,7 @@ class StepRecord:
     draft_seconds: float
     verify_seconds: float
     overlap: bool
+    drafted: bool = True  # False: the planner skipped the drafter (drafts not worth their cost)
     requests: list[RequestStep] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -65,6 +66,7 @@ class StepRecorder:
         self.total_committed = 0
         self.total_verify_tokens = 0
         self.total_request_steps = 0
+        self.total_drafted_steps = 0
 
     def note_prefill(self) -> None:
         with self._lock:
@@ -77,6 +79,7 @@ class StepRecorder:
             self.total_committed += record.committed_tokens
             self.total_verify_tokens += record.verify_tokens
             self.total_request_steps += record.batch_size
+            self.total_drafted_steps += record.drafted
             if self._log is not None:
                 self._log.write(json.dumps(record.to_json()) + "\n")
 
@@ -92,6 +95,7 @@ class StepRecorder:
             return {
                 "decode_steps": self.total_steps,
                 "prefill_steps": self.total_prefills,
+                "drafted_steps": self.total_drafted_steps,
                 "committed_tokens": self.total_committed,
                 "verify_tokens": self.total_verify_tokens,
                 "tau": self.total_committed / steps if steps else None,

@@ -29,7 +29,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 
-from sglang_dspark.decoding import SamplingParams, sample_block, verify
+from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block, verify
 from sglang_dspark.engine import verify_attention
 from sglang_dspark.engine.planning import VerifyPlanner
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
@@ -192,14 +192,22 @@ class DSparkLiveWorker(BaseSpecWorker):
                 f"committed lengths {seq_lens.tolist()} (slots {slots.tolist()})"
             )
 
-        hidden = self.drafter.forward_block(self.context, slots, bonus)[:, : self.gamma]
-        draft = sample_block(self.drafter, hidden, bonus.to(self.device), params.to(self.device), self.generator,
-                             target_vocab_size=self.vocab_size)
         rids = [req.rid for req in batch.reqs]
-        plan = self.planner.plan(rids, draft.confidence_logits, seq_lens)
+        decision = self.planner.decide(rids, seq_lens)
+        if decision.draft:
+            hidden = self.drafter.forward_block(self.context, slots, bonus)[:, : self.gamma]
+            draft = sample_block(self.drafter, hidden, bonus.to(self.device), params.to(self.device),
+                                 self.generator, target_vocab_size=self.vocab_size)
+            plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision)
+            drafts = draft.tokens
+            self.planner.draft_costs.add(batch_size, time.perf_counter() - started)
+        else:  # drafts would cost more than they return: this step is a plain decode step
+            draft = _empty_block(batch_size, self.vocab_size, sampled=not bool(params.greedy.all()))
+            plan = self.planner.skipped(rids, seq_lens)
+            drafts = draft.tokens[:, :0].to(self.device)
         drafted = time.perf_counter()
 
-        logits, taps = self._verify_forward(batch, slots, seq_lens, bonus, draft.tokens, plan.verify_lens)
+        logits, taps = self._verify_forward(batch, slots, seq_lens, bonus, drafts, plan.verify_lens)
         verified = time.perf_counter()
         window_lens = plan.verify_lens + 1
         outcome = verify(draft, _pad_rows(logits, window_lens), plan.verify_lens, params, self.verify_generator)
@@ -215,7 +223,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         next_tokens = torch.zeros((batch_size, self.stride), dtype=torch.int64)
         next_tokens[:, : outcome.tokens.shape[1]] = outcome.tokens.clamp(min=0)
         self._record(batch, rids, slots, seq_lens, params, plan, outcome.num_accepted,
-                     started, drafted, verified)
+                     started, drafted, verified, decision.draft)
         return GenerationBatchResult(
             logits_output=None,
             next_token_ids=next_tokens.reshape(-1).to(self.device),
@@ -284,7 +292,8 @@ class DSparkLiveWorker(BaseSpecWorker):
 
     # ------------------------------------------------------------------ records
 
-    def _record(self, batch, rids, slots, seq_lens, params, plan, num_accepted, started, drafted, verified):
+    def _record(self, batch, rids, slots, seq_lens, params, plan, num_accepted, started, drafted, verified,
+                did_draft: bool):
         self._step += 1
         finished = time.perf_counter()
         no_head = [[] for _ in rids]  # a drafter without a confidence head predicts no survivals
@@ -303,7 +312,8 @@ class DSparkLiveWorker(BaseSpecWorker):
             verify_tokens=sum(verify_lens) + len(rids), accepted_tokens=sum(accepted),
             committed_tokens=sum(accepted) + len(rids), predicted_seconds=plan.predicted_seconds,
             measured_seconds=finished - started, draft_seconds=drafted - started,
-            verify_seconds=verified - drafted, overlap=self.enable_overlap, requests=requests,
+            verify_seconds=verified - drafted, overlap=self.enable_overlap, drafted=did_draft,
+            requests=requests,
         ))
 
 
@@ -324,6 +334,13 @@ def _reshape_as_extend(forward_batch: ForwardBatch, seq_lens: torch.Tensor, wind
     forward_batch.seq_lens = total.to(device=device, dtype=forward_batch.seq_lens.dtype)
     forward_batch.seq_lens_cpu = total.clone()
     forward_batch.seq_lens_sum = int(total.sum())
+
+
+def _empty_block(batch_size: int, vocab_size: int, sampled: bool) -> DraftBlock:
+    """A stand-in block for a step that did not draft: one never-verified slot per request, so
+    `verify` samples every request's next token from the target alone."""
+    probs = torch.zeros((batch_size, 1, vocab_size)) if sampled else None
+    return DraftBlock(tokens=torch.zeros((batch_size, 1), dtype=torch.long), probs=probs, confidence_logits=None)
 
 
 def _pad_rows(packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
