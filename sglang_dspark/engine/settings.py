@@ -6,7 +6,7 @@ process, with a clear error for a bad value:
 | variable | default | meaning |
 |---|---|---|
 | `DSPARK_GAMMA` | checkpoint `block_size` | drafts per block (1..block_size) |
-| `DSPARK_PLANNER` | `production` if an SPS table is found, else `all` | `all`: verify every draft; `production`: capacity from survivals two steps back + global top-K fill; `fixed:N`: verify N drafts per request |
+| `DSPARK_PLANNER` | `production` if an SPS table is found, else `all` | `all`: verify every draft; `production`: capacity from survivals two steps back + global top-K fill, drafter skipped on steps where it cannot pay; `fixed:N`: verify N drafts per request |
 | `DSPARK_SPS_PATH` | `<draft>/sps.json` if present | cost model JSON (`scheduling.load_cost_model`) |
 | `DSPARK_STS_PATH` | `<draft>/sts.json` if present | STS temperatures JSON (`calibration.StsCalibration`) |
 | `DSPARK_RECORDS` | 2048 | per-step records kept in memory (bounded ring) |
