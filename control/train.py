@@ -42,6 +42,7 @@ def train_command(
     draft_vocab: int = typer.Option(8192, "--draft-vocab", help="Reduced draft vocabulary size."),
     anchors: int = typer.Option(64, "--anchors", help="Anchors per sequence."),
     seqs_per_step: int = typer.Option(4, "--seqs-per-step"),
+    kl_alpha: float = typer.Option(0.0, "--kl-alpha", help="Weight of a soft cross-entropy to the target's distribution on top of DeepSpec's losses (0: DeepSpec's recipe)."),
     seed: int = typer.Option(0, "--seed"),
     checkpoint_every: int = typer.Option(100, "--checkpoint-every"),
     eval_every: int = typer.Option(50, "--eval-every"),
@@ -65,7 +66,7 @@ def train_command(
         specs.append(DrafterSpec(out=twin_out, markov_rank=0, confidence_head=False))
     settings = TrainSettings(layers=layers, block_size=block_size, draft_vocab_size=draft_vocab,
                              anchors_per_seq=anchors, seqs_per_step=seqs_per_step, steps=steps, lr=lr,
-                             seed=seed, checkpoint_every=checkpoint_every, eval_every=eval_every)
+                             kl_alpha=kl_alpha, seed=seed, checkpoint_every=checkpoint_every, eval_every=eval_every)
     command = "dspark-ctl " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     summary = train_drafters(load_target_caches([Path(c) for c in cache]), target_dir, specs, settings, command=command,
                              time_budget_s=None if time_budget_min is None else time_budget_min * 60,

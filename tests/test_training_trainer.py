@@ -91,3 +91,14 @@ def test_draft_vocabulary_keeps_frequent_tokens_and_eos(tmp_path):
     assert most_common in d2t
     t2d = target_to_draft(d2t, 512)
     assert torch.equal(d2t[t2d[d2t]], d2t) and int((t2d >= 0).sum()) == 32
+
+
+def test_the_soft_cross_entropy_term_pulls_the_drafter_towards_the_target(tmp_path):
+    target_dir, cache = _tiny_setup(tmp_path)
+    settings = _settings(40)
+    settings.kl_alpha, settings.eval_every = 1.0, 20
+    spec = DrafterSpec(out=str(tmp_path / "kl"), markov_rank=8)
+    train_drafters(cache, target_dir, [spec], settings, progress=False)
+    log = [json.loads(line) for line in open(f"{spec.out}/train_log.jsonl")]
+    soft_ce = [row["holdout_soft_ce"] for row in log if "holdout_soft_ce" in row]
+    assert len(soft_ce) == 2 and soft_ce[-1] < soft_ce[0], soft_ce

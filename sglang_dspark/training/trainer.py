@@ -68,6 +68,10 @@ class TrainSettings:
     ce_alpha: float = 0.1
     l1_alpha: float = 0.9
     conf_alpha: float = 1.0
+    # soft cross-entropy to the target's (top-k) distribution, i.e. forward KL up to a constant:
+    # 0 in DeepSpec's recipe. The L1 (total variation) gives bounded, sign-like gradients that
+    # move a drafter trained from scratch slowly; the KL term pulls every target token's logit.
+    kl_alpha: float = 0.0
     decay_gamma: float = 4.0
     seed: int = 0
     checkpoint_every: int = 200
@@ -207,6 +211,11 @@ def drafter_losses(drafter: DSparkDrafter, batch: Batch, t2d: torch.Tensor,
 
     loss = settings.ce_alpha * ce_loss + settings.l1_alpha * l1_loss
     metrics = {"ce": float(ce_loss.detach()), "l1": float(l1_loss.detach())}
+    if settings.kl_alpha > 0:
+        soft_ce = -(log_pd.gather(1, tdraft.clamp_min(0)) * tp * inside).sum(-1)
+        kl_loss = (soft_ce * weights).sum() / weights.sum().clamp_min(1e-9)
+        loss = loss + settings.kl_alpha * kl_loss
+        metrics["soft_ce"] = float(kl_loss.detach())
     if conf_logits is not None:
         bce = F.binary_cross_entropy_with_logits(conf_logits, accept, reduction="none")
         conf_loss = (bce * weights).sum() / weights.sum().clamp_min(1e-9)
