@@ -21,6 +21,7 @@ def eval_command(
     batch_size: int = typer.Option(8, "--batch-size"),
     seed: int = typer.Option(0, "--seed"),
     calibrate: bool = typer.Option(False, "--calibrate", help="Fit STS on the calibration split first and save <draft>/sts.json."),
+    calibration_limit: Optional[int] = typer.Option(None, "--calibration-limit", help="Calibration prompts per domain (default: --limit)."),
     out: Optional[str] = typer.Option(None, "--out", help="Folder for eval.json, rounds-<drafter>.jsonl traces and the PNG."),
     threads: Optional[int] = typer.Option(None, "--threads"),
     as_json: bool = typer.Option(False, "--json"),
@@ -38,7 +39,8 @@ def eval_command(
     else:
         records = split_prompts("eval", domain)
     records = _limit_per_domain(records, limit)
-    calibration = _limit_per_domain(split_prompts("calibration", domain), limit) if calibrate else None
+    calibration_count = limit if calibration_limit is None else calibration_limit
+    calibration = _limit_per_domain(split_prompts("calibration", domain), calibration_count) if calibrate else None
     report = evaluate(_target_or_default(target), draft, records, temperature, max_new_tokens,
                       batch_size=batch_size, verify_length=block_size, seed=seed,
                       calibration_prompts=calibration, out_dir=Path(out) if out else None, threads=threads)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from sglang_dspark.calibration.metrics import position_report, prefix_labels
-from sglang_dspark.calibration.sts import CalibrationData, StsCalibration, fit_method
+from sglang_dspark.calibration.sts import CalibrationData, StsCalibration, calibrate, fit_method
 
 STS_FILE = "sts.json"
 
@@ -133,11 +133,16 @@ def ece_report(records: list[RoundRecord], calibration: StsCalibration | None) -
 
 
 def fit_sts(records: list[RoundRecord]) -> StsCalibration:
-    """STS temperatures (one per position, left to right) from calibration-split rounds."""
+    """Confidence calibration from calibration-split rounds: STS (one temperature per position,
+    left to right) unless a variant (a bias per position too, one global temperature, identity)
+    is clearly better on held-out rounds (`calibration.sts.calibrate`). The choice and its
+    held-out ECEs are in the result's metadata."""
     data = calibration_data(records)
     if data is None:
         raise ValueError("STS needs a drafter with a confidence head; these rounds carry no logits")
-    return fit_method("sts", data)
+    if data.logits.shape[0] < 40:  # too few rounds to hold some out: plain STS on all of them
+        return fit_method("sts", data)
+    return calibrate(data).calibration
 
 
 def summarize(records: list[RoundRecord], gamma: int, calibration: StsCalibration | None) -> dict:
