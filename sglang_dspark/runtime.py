@@ -1,6 +1,10 @@
-"""Process-level torch settings the CLI applies, so control/ never imports torch itself."""
+"""Process-level torch settings and machine facts, so control/ never imports torch itself."""
+
+from pathlib import Path
 
 import torch
+
+NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def set_torch_threads(threads: int) -> None:
@@ -8,3 +12,14 @@ def set_torch_threads(threads: int) -> None:
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)
+
+
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX); without it torch converts
+    bf16 to fp32 around every matmul, and small bf16 models run slower than fp32 ones."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return any(flag in flags for flag in NATIVE_BF16_CPU_FLAGS)

@@ -61,6 +61,7 @@ def test_settings_default_to_checkpoint_block_size_and_verify_all(tmp_path, monk
     ("DSPARK_PLANNER", "fixed:7", "0 <= N <= gamma=4"),
     ("DSPARK_PLANNER", "production", "needs a cost model"),
     ("DSPARK_VERIFY_ATTENTION", "flash", "expected linear or native"),
+    ("DSPARK_DRAFT_DTYPE", "int8", "expected one of auto, float32, bfloat16, float16"),
 ])
 def test_bad_knobs_fail_with_what_was_expected(tmp_path, monkeypatch, name, value, message):
     monkeypatch.setenv(name, value)
@@ -202,3 +203,14 @@ def test_production_planner_drafts_when_drafts_pay(tmp_path, monkeypatch):
     decision = planner.decide(rids, context)
     assert decision.draft and decision.capacity > 0
     assert int(planner.plan(rids, sure, context, decision).verify_lens.sum()) == decision.capacity
+
+
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
+    from sglang_dspark.runtime import cpu_has_native_bf16
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw\n")
+    assert not cpu_has_native_bf16(cpuinfo)
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n")
+    assert cpu_has_native_bf16(cpuinfo)
+    assert not cpu_has_native_bf16(tmp_path / "missing")

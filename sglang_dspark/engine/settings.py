@@ -12,6 +12,7 @@ process, with a clear error for a bad value:
 | `DSPARK_RECORDS` | 2048 | per-step records kept in memory (bounded ring) |
 | `DSPARK_SEED` | 0 | seed of the drafter's and verifier's sampling generator |
 | `DSPARK_STEP_LOG` | unset | also append every step record as a JSON line to this file (benchmarks) |
+| `DSPARK_DRAFT_DTYPE` | `auto` | the drafter's dtype: `auto` (the target's, except float32 on a CPU without native bf16 math, where bf16 drafting ran ~2x slower), `float32`, `bfloat16`, `float16` |
 | `DSPARK_VERIFY_ATTENTION` | `linear` | CPU verify attention: `linear` (SDPA over the request's KV, q_len = window) or `native` (SGLang torch_native extend, re-attends the prefix) |
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 PLANNER_MODES = ("all", "production", "fixed")
 VERIFY_ATTENTION_MODES = ("linear", "native")
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class SettingsError(ValueError):
@@ -43,6 +45,7 @@ class LiveSettings:
     seed: int
     verify_attention: str
     step_log: Path | None = None
+    draft_dtype: str = "auto"
 
     @property
     def verify_window(self) -> int:
@@ -116,8 +119,12 @@ def load_settings(draft_path: str | Path) -> LiveSettings:
     verify_attention = os.environ.get("DSPARK_VERIFY_ATTENTION", "linear").strip().lower()
     if verify_attention not in VERIFY_ATTENTION_MODES:
         raise SettingsError(f"DSPARK_VERIFY_ATTENTION={verify_attention!r}: expected linear or native")
+    draft_dtype = os.environ.get("DSPARK_DRAFT_DTYPE", "auto").strip().lower()
+    if draft_dtype not in DRAFT_DTYPES:
+        raise SettingsError(f"DSPARK_DRAFT_DTYPE={draft_dtype!r}: expected one of {', '.join(DRAFT_DTYPES)}")
     return LiveSettings(
         draft_path=draft_path,
+        draft_dtype=draft_dtype,
         block_size=block_size,
         gamma=gamma,
         planner=planner,
