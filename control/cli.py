@@ -14,11 +14,13 @@ from dspark_ctl.prepare import prepare_command  # noqa: E402  (each command in i
 
 app.command("prepare")(prepare_command)
 
-from dspark_ctl.eval import eval_command  # noqa: E402
+from dspark_ctl.eval import eval_command, eval_merge_command, train_curves_command  # noqa: E402
 from dspark_ctl.train import data_app, train_command  # noqa: E402
 
 app.command("train")(train_command)
 app.command("eval")(eval_command)
+app.command("eval-merge")(eval_merge_command)
+app.command("train-curves")(train_curves_command)
 app.add_typer(data_app, name="data")
 
 from dspark_ctl import bench_sim  # noqa: E402  (bench sim / planner / sps-cpu)

@@ -63,3 +63,45 @@ def _limit_per_domain(records: list[dict], limit: Optional[int]) -> list[dict]:
             seen[key] = seen.get(key, 0) + 1
             kept.append(record)
     return kept
+
+
+def eval_merge_command(
+    folders: List[str] = typer.Argument(..., help="Output folders of `dspark-ctl eval --out` runs on the same prompts and settings."),
+    out: str = typer.Option(..., "--out", help="Folder for the merged eval.json, the round traces and the PNG."),
+) -> None:
+    """Merge evaluations run as separate processes (one per drafter) into one report and plot."""
+    from sglang_dspark.training.evaluate import merge_reports, read_traces, write_outputs
+
+    reports, records = [], []
+    for folder in map(Path, folders):
+        report_file = folder / "eval.json"
+        if not report_file.is_file():
+            raise typer.BadParameter(f"{folder}: no eval.json there; expected a `dspark-ctl eval --out` folder")
+        reports.append(json.loads(report_file.read_text()))
+        for name in reports[-1]["drafters"]:
+            records += read_traces(folder / f"rounds-{name}.jsonl")
+    try:
+        merged = merge_reports(reports)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    write_outputs(Path(out), merged, records)
+    typer.echo(json.dumps({"out": out, "drafters": list(merged["drafters"]),
+                           "macro_tau": {n: r["macro_tau"] for n, r in merged["drafters"].items()},
+                           "macro_tau_ratio": merged.get("macro_tau_ratio")}))
+
+
+def train_curves_command(
+    logs: List[str] = typer.Argument(..., help="NAME=PATH of a drafter's train_log.jsonl; repeat to compare."),
+    out: str = typer.Option(..., "--out", help="PNG to write."),
+) -> None:
+    """Plot held-out tau against training time for one or more drafters."""
+    from sglang_dspark.training.evaluate import plot_training_curves
+
+    named = {}
+    for item in logs:
+        name, sep, path = item.partition("=")
+        if not sep or not Path(path).is_file():
+            raise typer.BadParameter(f"{item!r}: expected NAME=PATH of an existing train_log.jsonl")
+        named[name] = Path(path)
+    plot_training_curves(named, Path(out))
+    typer.echo(out)

@@ -58,3 +58,36 @@ def test_position_stats_follow_the_definitions():
     assert stats["prefix_survival"] == pytest.approx([4 / 5, 3 / 5, 2 / 4])
     assert stats["conditional_acceptance"] == pytest.approx([4 / 5, 3 / 4, (2 / 4) / (3 / 5)])
     assert tau([rec(0), rec(3)]) == 2.5
+
+
+def _eval_folder(folder, name: str, temperature: float = 1.0):
+    """What `dspark-ctl eval --out folder` writes for one tiny drafter."""
+    target = make_tiny_target(seed=0)
+    drafter = make_tiny_drafter(target, seed=1, gamma=4)
+    records, _ = run_rounds(target, drafter, None, _prompts(), name, temperature=temperature,
+                            max_new_tokens=12, batch_size=2, verify_length=None, seed=0)
+    report = {"temperature": temperature, "max_new_tokens": 12, "prompts": 4, "seed": 0, "verify_length": None,
+              "drafters": {name: summarize(records, 4, None)}}
+    write_outputs(folder, report, records)
+    return report
+
+
+def test_eval_merge_joins_per_drafter_runs_and_refuses_mismatched_ones(tmp_path):
+    from typer.testing import CliRunner
+
+    from dspark_ctl.cli import app
+
+    first = _eval_folder(tmp_path / "a", "dspark")
+    _eval_folder(tmp_path / "b", "twin")
+    result = CliRunner().invoke(app, ["eval-merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    merged = json.loads((tmp_path / "m" / "eval.json").read_text())
+    assert list(merged["drafters"]) == ["dspark", "twin"]
+    assert merged["macro_tau_ratio"]["dspark/twin"] == pytest.approx(1.0)  # the same drafter twice
+    assert merged["drafters"]["dspark"]["macro_tau"] == first["drafters"]["dspark"]["macro_tau"]
+    assert (tmp_path / "m" / "rounds-twin.jsonl").is_file()
+
+    _eval_folder(tmp_path / "c", "greedy", temperature=0.0)
+    refused = CliRunner().invoke(app, ["eval-merge", str(tmp_path / "a"), str(tmp_path / "c"), "--out", str(tmp_path / "x")])
+    assert refused.exit_code == 2 and "differ in temperature" in refused.output
+    assert not (tmp_path / "x").exists()
