@@ -73,20 +73,48 @@ def _median_cells(waves: list[dict]) -> dict:
 
 def bench_arm(launch: ServerLaunch, prompts: list[str], concurrency: list[int], repeats: int,
               max_new_tokens: int, log_dir: Path) -> dict:
-    process = start(launch, log_dir / f"{'dspark' if launch.drafter_path else 'plain'}.log")
+    name = "dspark" if launch.drafter_path else "plain"
+    step_log = log_dir / f"{name}-steps.jsonl"
+    if launch.drafter_path:
+        launch.extra_env["DSPARK_STEP_LOG"] = str(step_log)
+    process = start(launch, log_dir / f"{name}.log")
     try:
-        wait_healthy(launch, process, log_dir / f"{'dspark' if launch.drafter_path else 'plain'}.log")
+        wait_healthy(launch, process, log_dir / f"{name}.log")
         run_wave(launch.url, prompts[:1], 8)
         cells = {}
         for c in concurrency:
+            seen = _line_count(step_log)
             waves = []
             for r in range(repeats):
                 texts = [prompts[(r * c + i) % len(prompts)] for i in range(c)]
                 waves.append(run_wave(launch.url, texts, max_new_tokens))
             cells[str(c)] = _median_cells(waves)
+            if launch.drafter_path:
+                cells[str(c)]["steps"] = step_summary(step_log, skip=seen)
         return cells
     finally:
         stop(process)
+
+
+def _line_count(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def step_summary(step_log: Path, skip: int = 0) -> dict:
+    """Where a DSPARK_LIVE step's time went, from its step records (after the first `skip`)."""
+    steps = [json.loads(line) for line in step_log.read_text().splitlines()[skip:]]
+    if not steps:
+        return {"decode_steps": 0}
+    drafted = [s for s in steps if s["drafted"]]
+    predicted = [s["predicted_seconds"] / s["measured_seconds"] for s in steps if s["predicted_seconds"]]
+    return {
+        "decode_steps": len(steps),
+        "drafted_share": len(drafted) / len(steps),
+        "draft_seconds_median": statistics.median(s["draft_seconds"] for s in drafted) if drafted else None,
+        "verify_seconds_median": statistics.median(s["verify_seconds"] for s in steps),
+        "step_seconds_median": statistics.median(s["measured_seconds"] for s in steps),
+        "predicted_over_measured_median": statistics.median(predicted) if predicted else None,
+    }
 
 
 def verify_cost(launch: ServerLaunch, model_path: str, contexts: list[int], log_dir: Path) -> dict:

@@ -1,0 +1,32 @@
+"""`dspark-ctl bench serve` reports where DSPARK_LIVE's step time went, from the worker's step log."""
+
+import json
+
+import pytest
+
+from dspark_ctl.bench_serve import step_summary
+
+
+def _step(drafted: bool, draft: float, verify: float, measured: float, predicted: float | None) -> dict:
+    return {"drafted": drafted, "draft_seconds": draft, "verify_seconds": verify, "measured_seconds": measured,
+            "predicted_seconds": predicted, "batch_size": 4}
+
+
+def test_step_summary_reads_only_the_cells_own_steps(tmp_path):
+    log = tmp_path / "steps.jsonl"
+    earlier = [_step(True, 9.0, 9.0, 9.0, None)] * 3  # another concurrency level's steps
+    cell = [_step(True, 0.02, 0.10, 0.12, 0.06), _step(False, 0.001, 0.08, 0.08, 0.04),
+            _step(False, 0.001, 0.09, 0.09, 0.045)]
+    log.write_text("".join(json.dumps(s) + "\n" for s in earlier + cell))
+    summary = step_summary(log, skip=len(earlier))
+    assert summary["decode_steps"] == 3
+    assert summary["drafted_share"] == pytest.approx(1 / 3)
+    assert summary["draft_seconds_median"] == pytest.approx(0.02)
+    assert summary["verify_seconds_median"] == pytest.approx(0.09)
+    assert summary["predicted_over_measured_median"] == pytest.approx(0.5)
+
+
+def test_step_summary_of_an_empty_cell(tmp_path):
+    log = tmp_path / "steps.jsonl"
+    log.write_text(json.dumps(_step(True, 1, 1, 1, 1)) + "\n")
+    assert step_summary(log, skip=1) == {"decode_steps": 0}
