@@ -212,3 +212,105 @@ def bench_serve_command(
         plot(report, plot_path)
         report["plot"] = str(plot_path)
     typer.echo(json.dumps(report, indent=2) if as_json else report)
+
+
+def sweep_texts(model_path: str, per_domain: int, long_tokens: int) -> list[str]:
+    """Short eval prompts and long ones (~`long_tokens` of filler), alternating: the sweep then
+    sees short and long contexts at every batch size."""
+    from transformers import AutoTokenizer
+
+    short = chat_texts(model_path, [p for group in zip(*eval_prompts(per_domain).values()) for p in group])
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    filler_ids = tokenizer(" ".join(f"item {i} is {i * 7 % 13}." for i in range(long_tokens)))["input_ids"]
+    long = [tokenizer.decode(filler_ids[i * 31 : i * 31 + long_tokens]) + "\nSummarise the items above."
+            for i in range(len(short))]
+    return [text for pair in zip(short, long) for text in pair]
+
+
+def plot_sps(probes: list, model, path: Path) -> None:
+    """Measured steps/s against batch tokens per batch size, with the fitted model's curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sglang_dspark.scheduling.cost_model import StepShape
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for batch in sorted({p.num_requests for p in probes}):
+        mine = sorted((p for p in probes if p.num_requests == batch), key=lambda p: p.batch_tokens)
+        line = ax.plot([p.batch_tokens for p in mine], [1 / p.median_seconds for p in mine], "o", ms=3,
+                       label=f"batch {batch}")[0]
+        context = statistics.median(p.context_tokens for p in mine)
+        xs = sorted({p.batch_tokens for p in mine})
+        ax.plot(xs, [1 / model.predict(StepShape(batch, x, int(context))) for x in xs], "-", color=line.get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch tokens (requests x verify window)")
+    ax.set_ylabel("target steps/s")
+    ax.set_title("live SPS: measured (dots) and fitted (lines)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def sps_serve_command(
+    out: Path = typer.Option(..., "--out", help="Cost model JSON to write (DSPARK_SPS_PATH / <draft>/sps.json)."),
+    model_path: str = typer.Option(None, "--model-path", help="Target folder (default: the prepared SmolLM2)."),
+    drafter: str = typer.Option(None, "--drafter", help="Drafter folder (default: the shipped one)."),
+    concurrency: str = typer.Option("1,2,4,8,16", help="Batch sizes to sweep (concurrent requests)."),
+    max_new_tokens: int = typer.Option(64, min=8, help="Output tokens per request (steps per wave)."),
+    long_tokens: int = typer.Option(1200, min=16, help="Context of the long prompts."),
+    dtype: str = typer.Option("bfloat16", help="The dtype the server will serve in."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    port: int = typer.Option(30100, help="Port of the profiled server."),
+    plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of the measured and fitted SPS curves."),
+) -> None:
+    """Profile the SPS curve on a live DSPARK_LIVE server and fit the planner's cost model.
+
+    The server runs the `sweep` planner (every verify width in turn) under waves of concurrent
+    requests; each step's target-side time (step minus drafter) becomes a probe."""
+    import sys
+
+    from sglang_dspark.scheduling.fit import fit_all
+    from sglang_dspark.scheduling.live_probes import probes_from_step_records
+    from sglang_dspark.scheduling.measure import machine_metadata
+    from sglang_dspark.scheduling.probes import ProbeSet
+
+    target = model_path or prepared_target_path()
+    shipped = find_shipped_drafter()
+    drafter_path = drafter or (str(shipped) if shipped else None)
+    if drafter_path is None:
+        typer.echo("error: no drafter given and none shipped; pass --drafter PATH", err=True)
+        raise typer.Exit(code=2)
+    levels = [int(c) for c in concurrency.split(",")]
+    texts = sweep_texts(target, max(1, (max(levels) + 5) // 6), long_tokens)
+    log_dir = Path(tempfile.mkdtemp(prefix="dspark-sps-serve-"))
+    step_log = log_dir / "steps.jsonl"
+    launch = ServerLaunch(model_path=target, port=port, device=device, dtype=dtype, drafter_path=drafter_path,
+                          extra_env={"DSPARK_PLANNER": "sweep", "DSPARK_STEP_LOG": str(step_log)})
+    process = start(launch, log_dir / "server.log")
+    try:
+        wait_healthy(launch, process, log_dir / "server.log")
+        run_wave(launch.url, texts[:2], 16)
+        warm_up = _line_count(step_log)
+        for c in levels:
+            run_wave(launch.url, [texts[i % len(texts)] for i in range(c)], max_new_tokens)
+    finally:
+        stop(process)
+    records = [json.loads(line) for line in step_log.read_text().splitlines()]
+    probes = probes_from_step_records(records, skip_first=warm_up)
+    metadata = {**machine_metadata(), "timer": "wall seconds of the worker's decode step minus its drafter",
+                "model": target, "drafter": drafter_path, "dtype": dtype, "device": device,
+                "command": "dspark-ctl bench sps-serve " + " ".join(sys.argv[3:])}
+    probe_set = ProbeSet(probes, metadata)
+    models = fit_all(probe_set)
+    model = models.get("context") or models["additive"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model.save(out)
+    probe_set.save(out.with_suffix(".probes.json"))
+    summary = {"out": str(out), "kind": model.kind, "steps": len(records) - warm_up, "probes": len(probes),
+               "fit": model.metadata.get("fit"), "logs": str(log_dir)}
+    if plot_path is not None:
+        plot_sps(probes, model, plot_path)
+        summary["plot"] = str(plot_path)
+    typer.echo(json.dumps(summary, indent=2))

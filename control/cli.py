@@ -27,11 +27,12 @@ from dspark_ctl import bench_sim  # noqa: E402  (bench sim / planner / sps-cpu)
 
 bench_sim.register(bench_app)
 
-from dspark_ctl.bench_serve import bench_serve_command  # noqa: E402
+from dspark_ctl.bench_serve import bench_serve_command, sps_serve_command  # noqa: E402
 from dspark_ctl.serve import serve_command  # noqa: E402
 
 app.command("serve")(serve_command)
 bench_app.command("serve")(bench_serve_command)
+bench_app.command("sps-serve")(sps_serve_command)
 
 
 def main() -> None:

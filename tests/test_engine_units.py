@@ -57,7 +57,7 @@ def test_settings_default_to_checkpoint_block_size_and_verify_all(tmp_path, monk
 @pytest.mark.parametrize("name,value,message", [
     ("DSPARK_GAMMA", "9", "between 1 and 4"),
     ("DSPARK_GAMMA", "two", "expected an integer"),
-    ("DSPARK_PLANNER", "greedy", "expected all, production or fixed:N"),
+    ("DSPARK_PLANNER", "greedy", "expected all, production, fixed:N or sweep"),
     ("DSPARK_PLANNER", "fixed:7", "0 <= N <= gamma=4"),
     ("DSPARK_PLANNER", "production", "needs a cost model"),
     ("DSPARK_VERIFY_ATTENTION", "flash", "expected linear or native"),
@@ -214,3 +214,13 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n")
     assert cpu_has_native_bf16(cpuinfo)
     assert not cpu_has_native_bf16(tmp_path / "missing")
+
+
+def test_sweep_planner_cycles_every_verify_width(tmp_path, monkeypatch):
+    from sglang_dspark.engine.planning import VerifyPlanner
+
+    monkeypatch.setenv("DSPARK_PLANNER", "sweep")
+    planner = VerifyPlanner(load_settings(_draft_folder(tmp_path, block_size=3)))
+    widths = [planner.plan(["a", "b"], torch.zeros(2, 3), torch.tensor([5, 9])).verify_lens.tolist()
+              for _ in range(5)]
+    assert widths == [[0, 0], [1, 1], [2, 2], [3, 3], [0, 0]]

@@ -2,6 +2,9 @@
 
 * `all`: every request verifies all gamma drafts (no cost model needed).
 * `fixed:N`: every request verifies N drafts (a measurement knob).
+* `sweep`: step s verifies s mod (gamma + 1) drafts per request, so the step log covers every
+  verify width at whatever batch sizes the traffic brings (`dspark-ctl bench sps-serve` fits the
+  engine's cost model from it).
 * `production`: before the drafter runs, `decide` picks the capacity K and whether to draft at
   all from survivals two steps back (known before the target forward is launched, as overlap
   scheduling needs) and the drafter's measured cost at this batch size; then `plan` spends K on a
@@ -85,6 +88,7 @@ class VerifyPlanner:
         self.capacity_planner = None
         self.cost_model = None
         self.draft_costs = DraftCostTracker()
+        self._sweep_step = 0
         if settings.planner == "production":
             from sglang_dspark.scheduling.cost_model import load_cost_model
             from sglang_dspark.scheduling.planner import TwoStepCapacityPlanner
@@ -160,6 +164,9 @@ class VerifyPlanner:
                     survivals=None)
 
     def _static_drafts(self) -> int:
+        if self.settings.planner == "sweep":
+            self._sweep_step += 1
+            return (self._sweep_step - 1) % (self.gamma + 1)
         return self.gamma if self.settings.planner == "all" else self.settings.fixed_drafts
 
     def _predict(self, batch: int, drafts: int, context_lens: torch.Tensor) -> float:

@@ -6,7 +6,7 @@ process, with a clear error for a bad value:
 | variable | default | meaning |
 |---|---|---|
 | `DSPARK_GAMMA` | checkpoint `block_size` | drafts per block (1..block_size) |
-| `DSPARK_PLANNER` | `production` if an SPS table is found, else `all` | `all`: verify every draft; `production`: capacity from survivals two steps back + global top-K fill, drafter skipped on steps where it cannot pay; `fixed:N`: verify N drafts per request |
+| `DSPARK_PLANNER` | `production` if an SPS table is found, else `all` | `all`: verify every draft; `production`: capacity from survivals two steps back + global top-K fill, drafter skipped on steps where it cannot pay; `fixed:N`: verify N drafts per request; `sweep`: a measurement mode for `dspark-ctl bench sps-serve` (step s verifies s mod (gamma+1) drafts per request) |
 | `DSPARK_SPS_PATH` | `<draft>/sps.json` if present | cost model JSON (`scheduling.load_cost_model`) |
 | `DSPARK_STS_PATH` | `<draft>/sts.json` if present | STS temperatures JSON (`calibration.StsCalibration`) |
 | `DSPARK_RECORDS` | 2048 | per-step records kept in memory (bounded ring) |
@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-PLANNER_MODES = ("all", "production", "fixed")
+PLANNER_MODES = ("all", "production", "fixed", "sweep")
 VERIFY_ATTENTION_MODES = ("linear", "native")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -101,7 +101,7 @@ def load_settings(draft_path: str | Path) -> LiveSettings:
     planner_raw = os.environ.get("DSPARK_PLANNER", "").strip().lower() or ("production" if sps_path else "all")
     planner, _, argument = planner_raw.partition(":")
     if planner not in PLANNER_MODES:
-        raise SettingsError(f"DSPARK_PLANNER={planner_raw!r}: expected all, production or fixed:N")
+        raise SettingsError(f"DSPARK_PLANNER={planner_raw!r}: expected all, production, fixed:N or sweep")
     fixed_drafts = gamma
     if planner == "fixed":
         if not argument.isdigit() or not 0 <= int(argument) <= gamma:
