@@ -47,6 +47,7 @@ def train_command(
     checkpoint_every: int = typer.Option(100, "--checkpoint-every"),
     eval_every: int = typer.Option(50, "--eval-every"),
     time_budget_min: Optional[float] = typer.Option(None, "--time-budget-min", help="Stop (and checkpoint) after this many minutes."),
+    stop_at: Optional[int] = typer.Option(None, "--stop-at", help="Stop (and checkpoint) at this step, keeping the --steps schedule: brings drafters trained side by side to the same step."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (1 is best on a busy 2-core CPU)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -70,7 +71,7 @@ def train_command(
     command = "dspark-ctl " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     summary = train_drafters(load_target_caches([Path(c) for c in cache]), target_dir, specs, settings, command=command,
                              time_budget_s=None if time_budget_min is None else time_budget_min * 60,
-                             progress=not as_json)
+                             stop_at=stop_at, progress=not as_json)
     typer.echo(json.dumps(summary, indent=None if as_json else 2))
 
 

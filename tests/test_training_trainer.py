@@ -75,6 +75,8 @@ def test_resume_continues_to_the_same_weights(tmp_path):
     split = DrafterSpec(out=str(tmp_path / "split"), markov_rank=8)
     train_drafters(cache, target_dir, [split], _settings(10), time_budget_s=0.0, progress=False)
     assert json.loads(open(f"{split.out}/training.json").read())["steps_done"] == 0
+    train_drafters(cache, target_dir, [split], _settings(10), stop_at=6, progress=False)
+    assert json.loads(open(f"{split.out}/training.json").read())["steps_done"] == 6
     train_drafters(cache, target_dir, [split], _settings(10), progress=False)
     a = load_drafter(straight.out, target=make_tiny_target(seed=0, initializer_range=PEAKED_INIT_STD)).state_dict()
     b = load_drafter(split.out, target=make_tiny_target(seed=0, initializer_range=PEAKED_INIT_STD)).state_dict()

@@ -398,6 +398,7 @@ class DrafterRun:
 
 def train_drafters(cache: TargetCache, target_dir: Path, specs: list[DrafterSpec],
                    settings: TrainSettings, command: str = "", time_budget_s: float | None = None,
+                   stop_at: int | None = None,
                    progress: bool = True) -> dict:
     """Train every spec on the same batches; resume each from its checkpoint when present."""
     torch.manual_seed(settings.seed)
@@ -425,6 +426,8 @@ def train_drafters(cache: TargetCache, target_dir: Path, specs: list[DrafterSpec
     step = start_step
     for step in range(start_step, settings.steps):
         if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
+            break
+        if stop_at is not None and step >= stop_at:  # pause at a known step; the schedule is unchanged
             break
         batch = make_batch(cache, sampler.next(), settings.anchors_per_seq, settings.block_size, batch_generator)
         line = {}
