@@ -263,20 +263,51 @@ def sps_serve_command(
     dtype: str = typer.Option("bfloat16", help="The dtype the server will serve in."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     port: int = typer.Option(30100, help="Port of the profiled server."),
+    from_log: Path = typer.Option(None, "--from-log", help="Fit from this DSPARK_STEP_LOG file instead of running a sweep."),
     plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of the measured and fitted SPS curves."),
 ) -> None:
     """Profile the SPS curve on a live DSPARK_LIVE server and fit the planner's cost model.
 
     The server runs the `sweep` planner (every verify width in turn) under waves of concurrent
-    requests; each step's target-side time (step minus drafter) becomes a probe."""
+    requests; each step's target-side time (step minus drafter) becomes a probe, and the
+    context-aware model is fitted to all of them (`--from-log` refits a saved step log)."""
     import sys
 
-    from sglang_dspark.scheduling.fit import fit_all
+    from sglang_dspark.scheduling.fit import fit_context
     from sglang_dspark.scheduling.live_probes import probes_from_step_records
     from sglang_dspark.scheduling.measure import machine_metadata
-    from sglang_dspark.scheduling.probes import ProbeSet
+    from sglang_dspark.scheduling.probes import ProbeError, ProbeSet
 
     target = model_path or prepared_target_path()
+    if from_log is None:
+        step_log, warm_up = _sweep(target, drafter, concurrency, max_new_tokens, long_tokens, dtype, device, port)
+    else:
+        step_log, warm_up = from_log, 0
+    records = [json.loads(line) for line in step_log.read_text().splitlines()]
+    probes = probes_from_step_records(records, skip_first=warm_up)
+    metadata = {"hardware": {**machine_metadata(), "device": device,
+                             "timer": "wall seconds of the worker's decode step minus its drafter"},
+                "model": target, "dtype": dtype, "step_log": str(step_log),
+                "command": "dspark-ctl bench sps-serve " + " ".join(sys.argv[3:])}
+    try:
+        model = fit_context(probes, metadata)
+    except ProbeError as error:
+        typer.echo(f"error: cannot fit a cost model from {step_log}: {error}", err=True)
+        raise typer.Exit(code=1) from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model.save(out)
+    ProbeSet(probes, metadata).save(out.with_suffix(".probes.json"))
+    summary = {"out": str(out), "kind": model.kind, "steps": len(records) - warm_up, "probes": len(probes),
+               "fit": model.metadata.get("fit"), "step_log": str(step_log)}
+    if plot_path is not None:
+        plot_sps(probes, model, plot_path)
+        summary["plot"] = str(plot_path)
+    typer.echo(json.dumps(summary, indent=2))
+
+
+def _sweep(target: str, drafter: str | None, concurrency: str, max_new_tokens: int, long_tokens: int,
+           dtype: str, device: str, port: int) -> tuple[Path, int]:
+    """Run the sweep server under waves of 1..N requests; (its step log, warm-up steps)."""
     shipped = find_shipped_drafter()
     drafter_path = drafter or (str(shipped) if shipped else None)
     if drafter_path is None:
@@ -297,20 +328,4 @@ def sps_serve_command(
             run_wave(launch.url, [texts[i % len(texts)] for i in range(c)], max_new_tokens)
     finally:
         stop(process)
-    records = [json.loads(line) for line in step_log.read_text().splitlines()]
-    probes = probes_from_step_records(records, skip_first=warm_up)
-    metadata = {**machine_metadata(), "timer": "wall seconds of the worker's decode step minus its drafter",
-                "model": target, "drafter": drafter_path, "dtype": dtype, "device": device,
-                "command": "dspark-ctl bench sps-serve " + " ".join(sys.argv[3:])}
-    probe_set = ProbeSet(probes, metadata)
-    models = fit_all(probe_set)
-    model = models.get("context") or models["additive"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    model.save(out)
-    probe_set.save(out.with_suffix(".probes.json"))
-    summary = {"out": str(out), "kind": model.kind, "steps": len(records) - warm_up, "probes": len(probes),
-               "fit": model.metadata.get("fit"), "logs": str(log_dir)}
-    if plot_path is not None:
-        plot_sps(probes, model, plot_path)
-        summary["plot"] = str(plot_path)
-    typer.echo(json.dumps(summary, indent=2))
+    return step_log, warm_up
