@@ -30,3 +30,36 @@ def test_step_summary_of_an_empty_cell(tmp_path):
     log = tmp_path / "steps.jsonl"
     log.write_text(json.dumps(_step(True, 1, 1, 1, 1)) + "\n")
     assert step_summary(log, skip=1) == {"decode_steps": 0}
+
+
+def test_sps_serve_fits_a_loadable_cost_model_from_a_step_log(tmp_path):
+    from typer.testing import CliRunner
+
+    from dspark_ctl.cli import app
+    from sglang_dspark.scheduling.cost_model import StepShape, load_cost_model
+    from tests.test_scheduling_live_probes import _engine_seconds, _records
+
+    log = tmp_path / "steps.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    out = tmp_path / "sps.json"
+    result = CliRunner().invoke(app, ["bench", "sps-serve", "--from-log", str(log), "--out", str(out),
+                                      "--model-path", "tiny-target", "--plot", str(tmp_path / "sps.png")])
+    assert result.exit_code == 0, result.output
+    model = load_cost_model(out)
+    assert model.kind == "context"
+    assert model.predict(StepShape(4, 12, 2000)) == pytest.approx(_engine_seconds(4, 12, 2000), rel=0.1)
+    assert (tmp_path / "sps.png").stat().st_size > 1000
+
+
+def test_sps_serve_refuses_a_log_it_cannot_fit(tmp_path):
+    from typer.testing import CliRunner
+
+    from dspark_ctl.cli import app
+
+    log = tmp_path / "steps.jsonl"
+    log.write_text(json.dumps(_step(True, 0.01, 0.1, 0.1, None) | {"verify_tokens": 4, "requests": [
+        {"context_len": 10}] * 4}) + "\n")
+    result = CliRunner().invoke(app, ["bench", "sps-serve", "--from-log", str(log), "--out", str(tmp_path / "x.json"),
+                                      "--model-path", "tiny-target"])
+    assert result.exit_code == 1 and "cannot fit a cost model" in result.output
+    assert not (tmp_path / "x.json").exists()
