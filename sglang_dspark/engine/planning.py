@@ -139,12 +139,12 @@ class VerifyPlanner:
         if confidence_logits is None:
             if self.settings.planner == "production":
                 raise ValueError("the production planner needs a drafter with a confidence head")
-            return Plan(verify_lens=torch.full((batch,), self._static_drafts(), dtype=torch.long), capacity=None,
+            return Plan(verify_lens=torch.full((batch,), self._next_static_drafts(), dtype=torch.long), capacity=None,
                         predicted_seconds=None, confidence_logits=None, survivals=None)
         confidence_logits = confidence_logits[:, : self.gamma].float().cpu()
         survivals = self.survivals(confidence_logits)
         if self.settings.planner != "production":
-            return Plan(verify_lens=torch.full((batch,), self._static_drafts(), dtype=torch.long), capacity=None,
+            return Plan(verify_lens=torch.full((batch,), self._next_static_drafts(), dtype=torch.long), capacity=None,
                         predicted_seconds=None, confidence_logits=confidence_logits, survivals=survivals)
         from sglang_dspark.scheduling.planner import fill_capacity
 
@@ -163,7 +163,8 @@ class VerifyPlanner:
                     predicted_seconds=self._predict(batch, 0, context_lens), confidence_logits=None,
                     survivals=None)
 
-    def _static_drafts(self) -> int:
+    def _next_static_drafts(self) -> int:
+        """Drafts per request for all/fixed/sweep; advances the sweep, so call it once per step."""
         if self.settings.planner == "sweep":
             self._sweep_step += 1
             return (self._sweep_step - 1) % (self.gamma + 1)
