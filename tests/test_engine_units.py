@@ -25,14 +25,15 @@ def _reference_attention(q, k, v, prefix_len, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)[prefix_len:]
 
 
-def test_verify_attention_equals_causal_attention_over_the_whole_sequence():
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 3), (6, 1)])
+def test_verify_attention_equals_causal_attention_over_the_whole_sequence(heads, kv_heads):
     torch.manual_seed(0)
-    heads, kv_heads, dim, pool = 4, 2, 16, 64
+    dim, pool = 16, 64
     k_cache, v_cache = torch.randn(pool, kv_heads, dim), torch.randn(pool, kv_heads, dim)
     req_to_token = torch.randperm(pool - 1).add(1).reshape(3, 21)
     spans = [(7, 3), (0, 5), (15, 1)]
     q = torch.randn(sum(w for _, w in spans), heads, dim)
-    out = verify_attention(q, k_cache, v_cache, req_to_token, [2, 0, 1], spans, dim**-0.5, enable_gqa=True)
+    out = verify_attention(q, k_cache, v_cache, req_to_token, [2, 0, 1], spans, dim**-0.5)
     start = 0
     for row, (prefix, window) in zip([2, 0, 1], spans):
         slots = req_to_token[row, : prefix + window]
@@ -224,3 +225,17 @@ def test_sweep_planner_cycles_every_verify_width(tmp_path, monkeypatch):
     widths = [planner.plan(["a", "b"], torch.zeros(2, 3), torch.tensor([5, 9])).verify_lens.tolist()
               for _ in range(5)]
     assert widths == [[0, 0], [1, 1], [2, 2], [3, 3], [0, 0]]
+
+
+def test_fixed_zero_skips_the_drafter_and_verifies_only_the_bonus(tmp_path, monkeypatch):
+    """`DSPARK_PLANNER=fixed:0` is plain decoding through the worker: nothing to verify, so no draft."""
+    from sglang_dspark.engine.planning import VerifyPlanner
+
+    for name in ("DSPARK_GAMMA", "DSPARK_SPS_PATH", "DSPARK_STS_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DSPARK_PLANNER", "fixed:0")
+    planner = VerifyPlanner(load_settings(_draft_folder(tmp_path)))
+    decision = planner.decide(["a", "b"], torch.tensor([5, 9]))
+    plan = planner.skipped(["a", "b"], torch.tensor([5, 9]))
+    assert not decision.draft
+    assert plan.verify_lens.tolist() == [0, 0] and plan.predicted_seconds is None

@@ -120,6 +120,8 @@ class VerifyPlanner:
 
     def decide(self, request_ids: list, context_lens: torch.Tensor) -> StepDecision:
         """Whether this step drafts and its capacity, from information at least two steps old."""
+        if self.settings.planner == "fixed" and self.settings.fixed_drafts == 0:
+            return StepDecision(draft_width=0, capacity=None)  # nothing to verify: do not draft
         if self.settings.planner != "production":
             return StepDecision(draft_width=self.gamma, capacity=None)
         decision = self.capacity_planner.decide(
@@ -170,7 +172,9 @@ class VerifyPlanner:
             return (self._sweep_step - 1) % (self.gamma + 1)
         return self.gamma if self.settings.planner == "all" else self.settings.fixed_drafts
 
-    def _predict(self, batch: int, drafts: int, context_lens: torch.Tensor) -> float:
+    def _predict(self, batch: int, drafts: int, context_lens: torch.Tensor) -> float | None:
+        if self.cost_model is None:
+            return None
         from sglang_dspark.scheduling.cost_model import StepShape
 
         shape = StepShape(num_requests=batch, batch_tokens=batch + drafts, context_tokens=int(context_lens.sum()))

@@ -41,32 +41,44 @@ def verify_attention(
     req_pool_indices: list[int],
     spans: list[tuple[int, int]],
     scaling: float | None,
-    enable_gqa: bool,
 ) -> torch.Tensor:
     """Attention of each request's window queries over its prefix + window keys.
 
     query: `[sum(w), heads, head_dim]` packed in request order; returns the same shape.
     spans[i] = (prefix_len, window_len): the window's KV is already written at positions
     `prefix_len .. prefix_len + window_len - 1` of the request's `req_to_token` row.
+
+    Two things make this cheaper than SGLang's own decode attention on CPU (measured at batch 16,
+    ~300 tokens of context: about half the time per layer for one-token windows): one gather of
+    every request's keys per layer instead of one per request, and grouped queries: the query
+    heads that share a KV head are stacked along the query axis (`[kv_heads, w * group, d]`), so
+    SDPA never expands K/V for grouped-query attention. A one-token window needs no mask.
     """
+    kv_heads = k_cache.shape[1]
+    group = query.shape[1] // kv_heads
+    head_dim = query.shape[2]
+    token_slots = torch.cat([req_to_token[pool_index, : prefix_len + window_len]
+                             for pool_index, (prefix_len, window_len) in zip(req_pool_indices, spans)])
+    keys = k_cache.index_select(0, token_slots).to(query.dtype).transpose(0, 1)  # [kv_heads, sum(T), d]
+    values = v_cache.index_select(0, token_slots).to(query.dtype).transpose(0, 1)
     output = torch.empty_like(query)
-    start = 0
-    for pool_index, (prefix_len, window_len) in zip(req_pool_indices, spans):
+    start = key_start = 0
+    for prefix_len, window_len in spans:
         total = prefix_len + window_len
-        end = start + window_len
-        token_slots = req_to_token[pool_index, :total]
-        keys = k_cache[token_slots].movedim(0, 1).to(query.dtype)
-        values = v_cache[token_slots].movedim(0, 1).to(query.dtype)
-        queries = query[start:end].movedim(0, 1)
-        key_pos = torch.arange(total, device=query.device)
-        query_pos = torch.arange(prefix_len, total, device=query.device)
-        mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+        queries = (query[start : start + window_len].view(window_len, kv_heads, group, head_dim)
+                   .transpose(0, 1).reshape(kv_heads, window_len * group, head_dim))
+        mask = None
+        if window_len > 1:  # query t (absolute position prefix_len + t) sees keys 0 .. prefix_len + t
+            query_pos = torch.arange(prefix_len, total, device=query.device).repeat_interleave(group)
+            mask = torch.arange(total, device=query.device).unsqueeze(0) <= query_pos.unsqueeze(1)
         attended = scaled_dot_product_attention(
-            queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=mask, scale=scaling, enable_gqa=enable_gqa,
+            queries, keys[:, key_start : key_start + total], values[:, key_start : key_start + total],
+            attn_mask=mask, scale=scaling,
         )
-        output[start:end] = attended.squeeze(0).movedim(1, 0)
-        start = end
+        output[start : start + window_len] = (attended.view(kv_heads, window_len, group, head_dim)
+                                              .transpose(0, 1).reshape(window_len, kv_heads * group, head_dim))
+        start += window_len
+        key_start += total
     return output
 
 
@@ -95,7 +107,6 @@ def install(backend) -> None:
             forward_batch.req_pool_indices.tolist(),
             spans,
             layer.scaling,
-            layer.tp_q_head_num != layer.tp_k_head_num,
         )
         return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 
