@@ -1,8 +1,8 @@
 """`dspark-ctl bench serve`: plain serving vs DSPARK_LIVE on the same SGLang build and prompts.
 
-For each arm (no speculation, DSPARK_LIVE) one server is started; for each concurrency c, c
-chat-templated prompts (math, code and chat, held-out eval split) are sent at once, `repeats`
-times. Reported per cell (medians over repeats): aggregate output tokens/s, per-user tokens/s,
+Each arm (no speculation; DSPARK_LIVE without drafts; DSPARK_LIVE) gets its own server, all up
+at once; for each concurrency c, c chat-templated prompts (math, code and chat, held-out eval
+split) are sent at once to each arm in turn, `repeats` times. Reported per cell (medians over repeats): aggregate output tokens/s, per-user tokens/s,
 tau (committed tokens per verify step, bonus included) and verify tokens per request-step.
 `--verify-cost` also measures the DSPARK_LIVE verify step at two context lengths from the
 worker's step log. Prints JSON; `--plot` writes a PNG of throughput against concurrency.
@@ -71,33 +71,65 @@ def _median_cells(waves: list[dict]) -> dict:
     return {key: statistics.median(w[key] for w in waves) for key in waves[0]} | {"repeats": len(waves)}
 
 
-def bench_arm(launch: ServerLaunch, prompts: list[str], concurrency: list[int], repeats: int,
-              max_new_tokens: int, log_dir: Path) -> dict:
-    name = "dspark" if launch.drafter_path else "plain"
-    step_log = log_dir / f"{name}-steps.jsonl"
-    if launch.drafter_path:
-        launch.extra_env["DSPARK_STEP_LOG"] = str(step_log)
-    process = start(launch, log_dir / f"{name}.log")
+ARMS = {
+    "plain": "SGLang without speculation",
+    "nodraft": "DSPARK_LIVE with DSPARK_PLANNER=fixed:0: the worker's forward path without drafts",
+    "dspark": "DSPARK_LIVE as shipped (the drafter's planner, SPS table and calibration)",
+}
+"""The `nodraft` arm separates what the worker's own verify path gains or loses against plain
+SGLang from what the drafts gain: `dspark / nodraft` is the speculation's own share."""
+
+
+def arm_launch(arm: str, target: str, drafter_path: str | None, port: int, device: str, dtype: str,
+               log_dir: Path) -> ServerLaunch:
+    """The server of one arm; the DSPARK_LIVE arms log every step to `<log_dir>/<arm>-steps.jsonl`."""
+    if arm == "plain":
+        return ServerLaunch(model_path=target, port=port, device=device, dtype=dtype)
+    env = {"DSPARK_STEP_LOG": str(log_dir / f"{arm}-steps.jsonl")}
+    if arm == "nodraft":
+        env["DSPARK_PLANNER"] = "fixed:0"
+    return ServerLaunch(model_path=target, port=port, device=device, dtype=dtype, drafter_path=drafter_path,
+                        extra_env=env)
+
+
+def bench_arms(launches: dict[str, ServerLaunch], prompts: list[str], concurrency: list[int], repeats: int,
+               max_new_tokens: int, log_dir: Path) -> dict:
+    """All arms' servers up at once; for each concurrency and repeat, one wave per arm in turn.
+
+    Interleaving the arms' waves puts them minutes apart instead of a whole arm apart, so slow
+    drifts of a shared machine's speed fall on every arm alike (an idle server sleeps)."""
+    processes = {}
     try:
-        wait_healthy(launch, process, log_dir / f"{name}.log")
-        run_wave(launch.url, prompts[:1], 8)
-        cells = {}
+        for arm, launch in launches.items():
+            processes[arm] = start(launch, log_dir / f"{arm}.log")
+        for arm, launch in launches.items():
+            wait_healthy(launch, processes[arm], log_dir / f"{arm}.log")
+            run_wave(launch.url, prompts[:1], 8)
+        cells: dict[str, dict] = {arm: {} for arm in launches}
         for c in concurrency:
-            seen = _line_count(step_log)
-            waves = []
+            seen = {arm: _line_count(_step_log(launch)) for arm, launch in launches.items()}
+            waves: dict[str, list[dict]] = {arm: [] for arm in launches}
             for r in range(repeats):
                 texts = [prompts[(r * c + i) % len(prompts)] for i in range(c)]
-                waves.append(run_wave(launch.url, texts, max_new_tokens))
-            cells[str(c)] = _median_cells(waves)
-            if launch.drafter_path:
-                cells[str(c)]["steps"] = step_summary(step_log, skip=seen)
+                for arm, launch in launches.items():
+                    waves[arm].append(run_wave(launch.url, texts, max_new_tokens))
+            for arm, launch in launches.items():
+                cells[arm][str(c)] = _median_cells(waves[arm])
+                if _step_log(launch) is not None:
+                    cells[arm][str(c)]["steps"] = step_summary(_step_log(launch), skip=seen[arm])
         return cells
     finally:
-        stop(process)
+        for process in processes.values():
+            stop(process)
 
 
-def _line_count(path: Path) -> int:
-    return len(path.read_text().splitlines()) if path.exists() else 0
+def _step_log(launch: ServerLaunch) -> Path | None:
+    path = launch.extra_env.get("DSPARK_STEP_LOG")
+    return Path(path) if path else None
+
+
+def _line_count(path: Path | None) -> int:
+    return len(path.read_text().splitlines()) if path is not None and path.exists() else 0
 
 
 def step_summary(step_log: Path, skip: int = 0) -> dict:
@@ -145,6 +177,15 @@ def verify_cost(launch: ServerLaunch, model_path: str, contexts: list[int], log_
         stop(process)
 
 
+def speedups(arms: dict) -> dict:
+    """Aggregate tokens/s ratios per concurrency: `speedup` (dspark / plain), `nodraft_speedup`
+    (nodraft / plain) and `speculation_speedup` (dspark / nodraft), for the arms that ran."""
+    pairs = {"speedup": ("dspark", "plain"), "nodraft_speedup": ("nodraft", "plain"),
+             "speculation_speedup": ("dspark", "nodraft")}
+    return {name: {c: arms[top][c]["aggregate_tok_s"] / arms[bottom][c]["aggregate_tok_s"] for c in arms[bottom]}
+            for name, (top, bottom) in pairs.items() if top in arms and bottom in arms}
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -174,19 +215,23 @@ def bench_serve_command(
     dtype: str = typer.Option("float32", help="Same dtype for both arms."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     port: int = typer.Option(30100, help="Port of the server under test."),
-    arms: str = typer.Option("plain,dspark", help="Which arms to run (empty: only --verify-cost)."),
+    arms: str = typer.Option("plain,nodraft,dspark",
+                             help="Arms to run side by side (plain, nodraft, dspark; empty: only --verify-cost)."),
     verify_cost_contexts: str = typer.Option("", "--verify-cost", help="e.g. 200,2000: also time the verify step."),
     as_json: bool = typer.Option(True, "--json/--no-json", help="Print the report as JSON."),
     plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of throughput vs concurrency."),
 ) -> None:
-    """Plain serving vs DSPARK_LIVE: tokens/s, per-user tokens/s, tau, verify tokens per step."""
+    """Plain serving vs DSPARK_LIVE: tokens/s, per-user tokens/s, tau, verify tokens per step.
+
+    Arms: plain (no speculation), nodraft (DSPARK_LIVE's verify path with no drafts), dspark.
+    Their servers run side by side (ports --port, --port+1, ...) and take turns wave by wave."""
     target = model_path or prepared_target_path()
     shipped = find_shipped_drafter()
     drafter_path = drafter or (str(shipped) if shipped else None)
     wanted = [a.strip() for a in arms.split(",") if a.strip()]
-    if any(a not in ("plain", "dspark") for a in wanted):
-        raise typer.BadParameter(f"--arms {arms!r}: expected a comma list of plain, dspark")
-    if ("dspark" in wanted or verify_cost_contexts) and drafter_path is None:
+    if any(a not in ARMS for a in wanted):
+        raise typer.BadParameter(f"--arms {arms!r}: expected a comma list of {', '.join(ARMS)}")
+    if (set(wanted) - {"plain"} or verify_cost_contexts) and drafter_path is None:
         typer.echo("error: no drafter given and none shipped; pass --drafter PATH or --arms plain", err=True)
         raise typer.Exit(code=2)
     levels = [int(c) for c in concurrency.split(",")]
@@ -197,14 +242,12 @@ def bench_serve_command(
     log_dir = Path(tempfile.mkdtemp(prefix="dspark-bench-serve-"))
     report = {"config": {"model_path": target, "drafter": drafter_path, "dtype": dtype, "device": device,
                          "max_new_tokens": max_new_tokens, "repeats": repeats, "prompts": len(texts),
-                         "logs": str(log_dir)}, "arms": {}}
-    for arm in wanted:
-        launch = ServerLaunch(model_path=target, port=port, device=device, dtype=dtype,
-                              drafter_path=drafter_path if arm == "dspark" else None)
-        report["arms"][arm] = bench_arm(launch, texts, levels, repeats, max_new_tokens, log_dir)
-    if {"plain", "dspark"} <= set(report["arms"]):
-        report["speedup"] = {c: report["arms"]["dspark"][c]["aggregate_tok_s"] / report["arms"]["plain"][c]["aggregate_tok_s"]
-                             for c in report["arms"]["plain"]}
+                         "logs": str(log_dir), "arms": {arm: ARMS[arm] for arm in wanted}}, "arms": {}}
+    if wanted:
+        launches = {arm: arm_launch(arm, target, drafter_path, port + i, device, dtype, log_dir)
+                    for i, arm in enumerate(wanted)}
+        report["arms"] = bench_arms(launches, texts, levels, repeats, max_new_tokens, log_dir)
+    report.update(speedups(report["arms"]))
     if verify_cost_contexts:
         launch = ServerLaunch(model_path=target, port=port, device=device, dtype=dtype, drafter_path=drafter_path)
         report["verify_cost"] = verify_cost(launch, target, [int(c) for c in verify_cost_contexts.split(",")], log_dir)

@@ -63,3 +63,34 @@ def test_sps_serve_refuses_a_log_it_cannot_fit(tmp_path):
                                       "--model-path", "tiny-target"])
     assert result.exit_code == 1 and "cannot fit a cost model" in result.output
     assert not (tmp_path / "x.json").exists()
+
+
+def test_speedups_separate_the_verify_path_from_the_speculation():
+    from dspark_ctl.bench_serve import speedups
+
+    arms = {"plain": {"1": {"aggregate_tok_s": 10.0}}, "nodraft": {"1": {"aggregate_tok_s": 12.0}},
+            "dspark": {"1": {"aggregate_tok_s": 18.0}}}
+    ratios = speedups(arms)
+    assert ratios["speedup"]["1"] == pytest.approx(1.8)
+    assert ratios["nodraft_speedup"]["1"] == pytest.approx(1.2)
+    assert ratios["speculation_speedup"]["1"] == pytest.approx(1.5)
+    assert speedups({"plain": arms["plain"]}) == {}
+
+
+def test_the_nodraft_arm_is_the_worker_without_drafts(tmp_path):
+    from dspark_ctl.bench_serve import arm_launch
+
+    nodraft = arm_launch("nodraft", "/t", "/d", 30101, "cpu", "float32", tmp_path)
+    plain = arm_launch("plain", "/t", "/d", 30100, "cpu", "float32", tmp_path)
+    assert nodraft.extra_env["DSPARK_PLANNER"] == "fixed:0" and "DSPARK_LIVE" in nodraft.command()
+    assert "DSPARK_LIVE" not in plain.command() and not plain.extra_env
+
+
+def test_bench_serve_refuses_an_unknown_arm():
+    from typer.testing import CliRunner
+
+    from dspark_ctl.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "serve", "--arms", "plain,eagle", "--model-path", "/nonexistent"],
+                               env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "plain, nodraft, dspark" in result.output
