@@ -20,7 +20,7 @@ def eval_command(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     batch_size: int = typer.Option(8, "--batch-size"),
     seed: int = typer.Option(0, "--seed"),
-    calibrate: bool = typer.Option(False, "--calibrate", help="Fit STS on the calibration split first and save <draft>/sts.json."),
+    calibrate: bool = typer.Option(False, "--calibrate", help="Fit STS on the calibration split first and save <draft>/sts.json (greedy: sts-greedy.json)."),
     calibration_limit: Optional[int] = typer.Option(None, "--calibration-limit", help="Calibration prompts per domain (default: --limit)."),
     out: Optional[str] = typer.Option(None, "--out", help="Folder for eval.json, rounds-<drafter>.jsonl traces and the PNG."),
     threads: Optional[int] = typer.Option(None, "--threads"),

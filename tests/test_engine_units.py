@@ -239,3 +239,24 @@ def test_fixed_zero_skips_the_drafter_and_verifies_only_the_bonus(tmp_path, monk
     plan = planner.skipped(["a", "b"], torch.tensor([5, 9]))
     assert not decision.draft
     assert plan.verify_lens.tolist() == [0, 0] and plan.predicted_seconds is None
+
+
+def test_greedy_requests_use_their_own_calibration(tmp_path, monkeypatch):
+    """A greedy draft survives by argmax match, a sampled one by min(1, p/q): with sts-greedy.json
+    the greedy rows of a mixed batch are calibrated by it and the sampled rows by sts.json."""
+    from sglang_dspark.calibration.sts import StsCalibration
+    from sglang_dspark.engine.planning import VerifyPlanner
+
+    for name in ("DSPARK_GAMMA", "DSPARK_SPS_PATH", "DSPARK_STS_PATH", "DSPARK_STS_GREEDY_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    folder = _draft_folder(tmp_path, block_size=2)
+    StsCalibration(temperatures=[1.0, 1.0]).save(folder / "sts.json")
+    StsCalibration(temperatures=[1.0, 1.0], biases=[2.0, 2.0]).save(folder / "sts-greedy.json")
+    planner = VerifyPlanner(load_settings(folder))
+    logits = torch.zeros(3, 2)
+    survivals = planner.plan(["a", "b", "c"], logits, torch.tensor([5, 5, 5]),
+                             greedy=torch.tensor([True, False, True])).survivals
+    sampled, greedy = torch.sigmoid(torch.tensor(0.0)), torch.sigmoid(torch.tensor(2.0))
+    torch.testing.assert_close(survivals[1], torch.stack([sampled, sampled * sampled]))
+    torch.testing.assert_close(survivals[0], torch.stack([greedy, greedy * greedy]))
+    torch.testing.assert_close(survivals[2], survivals[0])

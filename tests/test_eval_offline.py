@@ -91,3 +91,18 @@ def test_eval_merge_joins_per_drafter_runs_and_refuses_mismatched_ones(tmp_path)
     refused = CliRunner().invoke(app, ["eval-merge", str(tmp_path / "a"), str(tmp_path / "c"), "--out", str(tmp_path / "x")])
     assert refused.exit_code == 2 and "differ in temperature" in refused.output
     assert not (tmp_path / "x").exists()
+
+
+def test_greedy_calibration_goes_to_its_own_file(tmp_path):
+    """`--calibrate` at temperature 0 writes sts-greedy.json (what the server reads for greedy
+    requests) and leaves the sampled calibration alone."""
+    from sglang_dspark.training.evaluate import _calibration_for
+
+    target = make_tiny_target(seed=0)
+    drafter = make_tiny_drafter(target, seed=1, gamma=4)
+    fitted = _calibration_for(str(tmp_path), drafter, target, None, _prompts(), "dspark", 0.0,
+                              max_new_tokens=24, batch_size=2, seed=0)
+    assert (tmp_path / "sts-greedy.json").is_file() and not (tmp_path / "sts.json").exists()
+    loaded = _calibration_for(str(tmp_path), drafter, target, None, None, "dspark", 0.0, 24, 2, 0)
+    assert loaded.temperatures == pytest.approx(fitted.temperatures)
+    assert _calibration_for(str(tmp_path), drafter, target, None, None, "dspark", 1.0, 24, 2, 0) is None

@@ -14,7 +14,8 @@
   probe draft every `EXPLORE_EVERY` steps so the planner sees when drafts become worth it again.
 
 Survivals a_k = prod_{i<=k} sigmoid(c_i / T_i) use the STS temperatures from `DSPARK_STS_PATH` or
-`<draft>/sts.json` (identity without one).
+`<draft>/sts.json` (identity without one); greedy requests use `DSPARK_STS_GREEDY_PATH` or
+`<draft>/sts-greedy.json` when there is one (argmax match is not the sampled acceptance event).
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class VerifyPlanner:
     def __init__(self, settings: LiveSettings) -> None:
         self.settings = settings
         self.gamma = settings.gamma
-        self.calibration = self._load_calibration()
+        self.calibration = self._load_calibration(settings.sts_path)
+        self.greedy_calibration = self._load_calibration(settings.sts_greedy_path)
         self.capacity_planner = None
         self.cost_model = None
         self.draft_costs = DraftCostTracker()
@@ -97,25 +99,32 @@ class VerifyPlanner:
             self.capacity_planner = TwoStepCapacityPlanner(self.cost_model, gamma=self.gamma, lag=2,
                                                            explore_every=EXPLORE_EVERY)
 
-    def _load_calibration(self):
-        """STS temperatures (and biases) cut to gamma, or None for identity."""
-        if self.settings.sts_path is None:
+    def _load_calibration(self, path):
+        """STS temperatures (and biases) from `path` cut to gamma, or None (no file)."""
+        if path is None:
             return None
         from sglang_dspark.calibration.sts import StsCalibration
 
-        calibration = StsCalibration.load(self.settings.sts_path)
+        calibration = StsCalibration.load(path)
         if calibration.gamma < self.gamma:
             raise ValueError(
-                f"STS file {self.settings.sts_path} has {calibration.gamma} temperatures; expected at least "
-                f"gamma={self.gamma}"
+                f"STS file {path} has {calibration.gamma} temperatures; expected at least gamma={self.gamma}"
             )
         biases = None if calibration.biases is None else calibration.biases[: self.gamma]
         return StsCalibration(temperatures=calibration.temperatures[: self.gamma], biases=biases)
 
-    def survivals(self, confidence_logits: torch.Tensor) -> torch.Tensor:
-        """Prefix survivals a_k from raw confidence logits [B, gamma]."""
-        if self.calibration is not None:
-            return self.calibration.apply(confidence_logits).to(torch.float32)
+    def survivals(self, confidence_logits: torch.Tensor, greedy: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefix survivals a_k from raw confidence logits [B, gamma]; rows where `greedy` [B] is
+        True use the greedy calibration when there is one."""
+        survivals = self._calibrated(self.calibration, confidence_logits)
+        if self.greedy_calibration is not None and greedy is not None and bool(greedy.any()):
+            survivals[greedy] = self._calibrated(self.greedy_calibration, confidence_logits[greedy])
+        return survivals
+
+    @staticmethod
+    def _calibrated(calibration, confidence_logits: torch.Tensor) -> torch.Tensor:
+        if calibration is not None:
+            return calibration.apply(confidence_logits).to(torch.float32)
         return torch.cumprod(torch.sigmoid(confidence_logits.to(torch.float32)), dim=-1)
 
     def decide(self, request_ids: list, context_lens: torch.Tensor) -> StepDecision:
@@ -130,12 +139,13 @@ class VerifyPlanner:
         return StepDecision(draft_width=decision.draft_width, capacity=decision.capacity)
 
     def plan(self, request_ids: list, confidence_logits: torch.Tensor | None, context_lens: torch.Tensor,
-             decision: StepDecision | None = None) -> Plan:
+             decision: StepDecision | None = None, greedy: torch.Tensor | None = None) -> Plan:
         """Verify lengths for this step, given the drafts' confidence logits [B, gamma].
 
         `confidence_logits` is None for a drafter without a confidence head (a DFlash drafter): only
         `all` and `fixed` can plan without survivals, and `load_settings` refuses `production` for
-        such a drafter at launch. `decision` is this step's `decide` (made here when not given)."""
+        such a drafter at launch. `decision` is this step's `decide` (made here when not given);
+        `greedy` [B] marks the greedy requests (their own calibration)."""
         batch = len(request_ids)
         decision = decision or self.decide(request_ids, context_lens)
         if confidence_logits is None:
@@ -144,7 +154,7 @@ class VerifyPlanner:
             return Plan(verify_lens=torch.full((batch,), self._next_static_drafts(), dtype=torch.long), capacity=None,
                         predicted_seconds=None, confidence_logits=None, survivals=None)
         confidence_logits = confidence_logits[:, : self.gamma].float().cpu()
-        survivals = self.survivals(confidence_logits)
+        survivals = self.survivals(confidence_logits, greedy)
         if self.settings.planner != "production":
             return Plan(verify_lens=torch.full((batch,), self._next_static_drafts(), dtype=torch.long), capacity=None,
                         predicted_seconds=None, confidence_logits=confidence_logits, survivals=survivals)

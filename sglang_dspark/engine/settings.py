@@ -9,6 +9,7 @@ process, with a clear error for a bad value:
 | `DSPARK_PLANNER` | `production` if an SPS table is found, else `all` | `all`: verify every draft; `production`: capacity from survivals two steps back + global top-K fill, drafter skipped on steps where it cannot pay; `fixed:N`: verify N drafts per request; `sweep`: a measurement mode for `dspark-ctl bench sps-serve` (step s verifies s mod (gamma+1) drafts per request) |
 | `DSPARK_SPS_PATH` | `<draft>/sps.json` if present | cost model JSON (`scheduling.load_cost_model`) |
 | `DSPARK_STS_PATH` | `<draft>/sts.json` if present | STS temperatures JSON (`calibration.StsCalibration`) |
+| `DSPARK_STS_GREEDY_PATH` | `<draft>/sts-greedy.json` if present | STS calibration for greedy requests (a greedy draft survives by argmax match, a different event from sampled acceptance, so one calibration does not fit both); without it greedy requests use `DSPARK_STS_PATH` |
 | `DSPARK_RECORDS` | 2048 | per-step records kept in memory (bounded ring) |
 | `DSPARK_SEED` | 0 | seed of the drafter's and verifier's sampling generator |
 | `DSPARK_STEP_LOG` | unset | also append every step record as a JSON line to this file (benchmarks) |
@@ -46,6 +47,7 @@ class LiveSettings:
     verify_attention: str
     step_log: Path | None = None
     draft_dtype: str = "auto"
+    sts_greedy_path: Path | None = None
 
     @property
     def verify_window(self) -> int:
@@ -98,6 +100,7 @@ def load_settings(draft_path: str | Path) -> LiveSettings:
     gamma = _int_env("DSPARK_GAMMA", block_size, 1, block_size)
     sps_path = _optional_file("DSPARK_SPS_PATH", draft_path / "sps.json")
     sts_path = _optional_file("DSPARK_STS_PATH", draft_path / "sts.json")
+    sts_greedy_path = _optional_file("DSPARK_STS_GREEDY_PATH", draft_path / "sts-greedy.json")
     planner_raw = os.environ.get("DSPARK_PLANNER", "").strip().lower() or ("production" if sps_path else "all")
     planner, _, argument = planner_raw.partition(":")
     if planner not in PLANNER_MODES:
@@ -131,6 +134,7 @@ def load_settings(draft_path: str | Path) -> LiveSettings:
         fixed_drafts=fixed_drafts,
         sps_path=sps_path,
         sts_path=sts_path,
+        sts_greedy_path=sts_greedy_path,
         max_records=_int_env("DSPARK_RECORDS", 2048, 1),
         seed=_int_env("DSPARK_SEED", 0, 0),
         verify_attention=verify_attention,

@@ -209,7 +209,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             hidden = self.drafter.forward_block(self.context, slots, bonus)[:, : self.gamma]
             draft = sample_block(self.drafter, hidden, bonus.to(self.device), params.to(self.device),
                                  self.generator, target_vocab_size=self.vocab_size)
-            plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision)
+            plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision, greedy=params.greedy)
             drafts = draft.tokens
             self.planner.draft_costs.add(batch_size, time.perf_counter() - started)
         else:  # drafts would cost more than they return: this step is a plain decode step

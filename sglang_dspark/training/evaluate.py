@@ -29,8 +29,17 @@ import torch
 
 from sglang_dspark.calibration.metrics import position_report, prefix_labels
 from sglang_dspark.calibration.sts import CalibrationData, StsCalibration, calibrate, fit_method
+from sglang_dspark.decoding.sampling import GREEDY_TEMPERATURE
 
 STS_FILE = "sts.json"
+STS_GREEDY_FILE = "sts-greedy.json"
+"""Greedy decoding gets its own calibration: its acceptance event (argmax match) is not the
+sampled one (min(1, p/q)), and a T=1 calibration was off by 7 points at position 1 there."""
+
+
+def sts_files(temperature: float) -> list[str]:
+    """Calibration files for decoding at `temperature`, the one `--calibrate` writes first."""
+    return [STS_GREEDY_FILE, STS_FILE] if temperature < GREEDY_TEMPERATURE else [STS_FILE]
 
 
 @dataclass
@@ -346,18 +355,20 @@ def read_traces(path: Path) -> list[RoundRecord]:
 
 def _calibration_for(path: str, drafter, target, tokenizer, calibration_prompts, name, temperature,
                      max_new_tokens, batch_size, seed) -> StsCalibration | None:
-    """Fit STS on the calibration prompts (saved as ``<drafter>/sts.json``) or load a saved one."""
+    """Fit STS on the calibration prompts (saved as ``<drafter>/sts.json``, or ``sts-greedy.json``
+    for greedy decoding) or load a saved one (greedy falls back to ``sts.json``)."""
     if not drafter.has_confidence_head:
         return None
-    sts_path = Path(path) / STS_FILE
+    candidates = [Path(path) / name for name in sts_files(temperature)]
     if calibration_prompts:
         records, _ = run_rounds(target, drafter, tokenizer, calibration_prompts, name, temperature,
                                 max_new_tokens, batch_size, None, seed + 100_000)
         calibration = fit_sts(records)
-        calibration.save(sts_path)
+        calibration.save(candidates[0])
         return calibration
-    if sts_path.exists():
-        return StsCalibration.load(sts_path)
+    for sts_path in candidates:
+        if sts_path.exists():
+            return StsCalibration.load(sts_path)
     return None
 
 
