@@ -7,7 +7,9 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from sglang_dspark.kernels_cpu.ops import assign_req_to_token_pool_cpu, copy_all_layer_kv_cache_cpu
 
@@ -64,3 +66,44 @@ def test_plugin_installs_the_standin_and_registers_dspark_live_in_a_fresh_proces
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("OK True")
+
+
+class UnquantizedLinearMethod:  # the name the re-layout keys on (SGLang's class is not imported here)
+    pass
+
+
+def _linear(out_features: int, in_features: int, dtype=torch.float32) -> torch.nn.Module:
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.randn(out_features, in_features, dtype=dtype), requires_grad=False)
+    module.quant_method = UnquantizedLinearMethod()
+    return module
+
+
+def test_gemm_relayout_keeps_every_linear_output_and_skips_what_it_must():
+    """Column-major storage changes only the memory layout: same shapes, same F.linear results;
+    bf16 weights and an untied input embedding are left alone, a tied lm_head is done once."""
+    from sglang_dspark.kernels_cpu.gemm_layout import relayout_weights
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.qkv, model.down, model.bf16 = _linear(24, 8), _linear(8, 16), _linear(8, 8, torch.bfloat16)
+    model.embed = torch.nn.Embedding(32, 8)
+    model.lm_head = model.embed  # tied
+    model.other_embed = torch.nn.Embedding(32, 8)
+    x8, x16 = torch.randn(5, 8), torch.randn(5, 16)
+    before = [F.linear(x8, model.qkv.weight), F.linear(x16, model.down.weight), F.linear(x8, model.lm_head.weight)]
+    assert relayout_weights(model) == 3
+    after = [F.linear(x8, model.qkv.weight), F.linear(x16, model.down.weight), F.linear(x8, model.lm_head.weight)]
+    for old, new in zip(before, after):
+        torch.testing.assert_close(new, old)
+    assert model.qkv.weight.shape == (24, 8) and model.qkv.weight.stride() == (1, 24)
+    assert model.bf16.weight.is_contiguous() and model.other_embed.weight.is_contiguous()
+    assert relayout_weights(model) == 0, "a second pass finds nothing left to do"
+
+
+def test_a_bad_gemm_layout_knob_is_refused(monkeypatch):
+    from sglang_dspark.kernels_cpu.gemm_layout import gemm_layout_mode
+
+    monkeypatch.setenv("DSPARK_CPU_GEMM_LAYOUT", "packed")
+    with pytest.raises(ValueError, match="expected one of auto, off"):
+        gemm_layout_mode()
