@@ -163,10 +163,10 @@ def verify_cost(launch: ServerLaunch, model_path: str, contexts: list[int], log_
         wait_healthy(launch, process, log_dir / "verify-cost.log")
         result = {}
         for context in contexts:
-            step_log.unlink(missing_ok=True)
+            seen = _line_count(step_log)  # the server holds the log open: read past, never unlink
             text = tokenizer.decode(filler_ids[:context])
             _generate(launch.url, text, 64)
-            steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+            steps = [json.loads(line) for line in step_log.read_text().splitlines()[seen:]]
             seconds = [s["verify_seconds"] for s in steps if s["batch_size"] == 1][5:]
             result[str(context)] = {"verify_seconds_median": statistics.median(seconds), "steps": len(seconds),
                                     "verify_tokens_median": statistics.median(s["verify_tokens"] for s in steps)}
@@ -248,13 +248,22 @@ def bench_serve_command(
                     for i, arm in enumerate(wanted)}
         report["arms"] = bench_arms(launches, texts, levels, repeats, max_new_tokens, log_dir)
     report.update(speedups(report["arms"]))
+    failed = False
     if verify_cost_contexts:
         launch = ServerLaunch(model_path=target, port=port, device=device, dtype=dtype, drafter_path=drafter_path)
-        report["verify_cost"] = verify_cost(launch, target, [int(c) for c in verify_cost_contexts.split(",")], log_dir)
-    if plot_path is not None:
+        try:
+            report["verify_cost"] = verify_cost(launch, target, [int(c) for c in verify_cost_contexts.split(",")],
+                                                log_dir)
+        except (RuntimeError, TimeoutError, OSError, ValueError) as error:  # keep the arms' results
+            report["verify_cost"] = {"error": f"{type(error).__name__}: {error}"}
+            failed = True
+    if plot_path is not None and report["arms"]:
         plot(report, plot_path)
         report["plot"] = str(plot_path)
     typer.echo(json.dumps(report, indent=2) if as_json else report)
+    if failed:
+        typer.echo(f"error: the verify-cost measurement failed: {report['verify_cost']['error']}", err=True)
+        raise typer.Exit(code=1)
 
 
 def sweep_texts(model_path: str, per_domain: int, long_tokens: int) -> list[str]:
