@@ -116,9 +116,12 @@ class VerifyPlanner:
     def survivals(self, confidence_logits: torch.Tensor, greedy: torch.Tensor | None = None) -> torch.Tensor:
         """Prefix survivals a_k from raw confidence logits [B, gamma]; rows where `greedy` [B] is
         True use the greedy calibration when there is one."""
-        survivals = self._calibrated(self.calibration, confidence_logits)
-        if self.greedy_calibration is not None and greedy is not None and bool(greedy.any()):
-            survivals[greedy] = self._calibrated(self.greedy_calibration, confidence_logits[greedy])
+        if self.greedy_calibration is None or greedy is None or not bool(greedy.any()):
+            return self._calibrated(self.calibration, confidence_logits)
+        survivals = torch.empty(confidence_logits.shape, dtype=torch.float32)
+        survivals[greedy] = self._calibrated(self.greedy_calibration, confidence_logits[greedy])
+        if not bool(greedy.all()):
+            survivals[~greedy] = self._calibrated(self.calibration, confidence_logits[~greedy])
         return survivals
 
     @staticmethod

@@ -359,7 +359,7 @@ def _calibration_for(path: str, drafter, target, tokenizer, calibration_prompts,
     for greedy decoding) or load a saved one (greedy falls back to ``sts.json``)."""
     if not drafter.has_confidence_head:
         return None
-    candidates = [Path(path) / name for name in sts_files(temperature)]
+    candidates = [Path(path) / file_name for file_name in sts_files(temperature)]
     if calibration_prompts:
         records, _ = run_rounds(target, drafter, tokenizer, calibration_prompts, name, temperature,
                                 max_new_tokens, batch_size, None, seed + 100_000)
