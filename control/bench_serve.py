@@ -2,8 +2,9 @@
 
 Each arm (no speculation; DSPARK_LIVE without drafts; DSPARK_LIVE) gets its own server, all up
 at once; for each concurrency c, c chat-templated prompts (math, code and chat, held-out eval
-split) are sent at once to each arm in turn, `repeats` times. Reported per cell (medians over repeats): aggregate output tokens/s, per-user tokens/s,
-tau (committed tokens per verify step, bonus included) and verify tokens per request-step.
+split) are sent at once to each arm in turn, `repeats` times. Reported per cell (medians over
+repeats): aggregate output tokens/s, per-user tokens/s, tau (committed tokens per verify step,
+bonus included) and verify tokens per request-step.
 `--verify-cost` also measures the DSPARK_LIVE verify step at two context lengths from the
 worker's step log. Prints JSON; `--plot` writes a PNG of throughput against concurrency.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import typer
 
-from dspark_ctl.serve import ServerLaunch, find_shipped_drafter, prepared_target_path, start, stop, wait_healthy
+from dspark_ctl.serve import ServerLaunch, drafter_or_shipped, prepared_target_path, running
 
 DOMAINS = ("math", "code", "chat")
 
@@ -98,12 +99,8 @@ def bench_arms(launches: dict[str, ServerLaunch], prompts: list[str], concurrenc
 
     Interleaving the arms' waves puts them minutes apart instead of a whole arm apart, so slow
     drifts of a shared machine's speed fall on every arm alike (an idle server sleeps)."""
-    processes = {}
-    try:
-        for arm, launch in launches.items():
-            processes[arm] = start(launch, log_dir / f"{arm}.log")
-        for arm, launch in launches.items():
-            wait_healthy(launch, processes[arm], log_dir / f"{arm}.log")
+    with running(launches, log_dir):
+        for launch in launches.values():
             run_wave(launch.url, prompts[:1], 8)
         cells: dict[str, dict] = {arm: {} for arm in launches}
         for c in concurrency:
@@ -118,9 +115,6 @@ def bench_arms(launches: dict[str, ServerLaunch], prompts: list[str], concurrenc
                 if _step_log(launch) is not None:
                     cells[arm][str(c)]["steps"] = step_summary(_step_log(launch), skip=seen[arm])
         return cells
-    finally:
-        for process in processes.values():
-            stop(process)
 
 
 def _step_log(launch: ServerLaunch) -> Path | None:
@@ -158,9 +152,7 @@ def verify_cost(launch: ServerLaunch, model_path: str, contexts: list[int], log_
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     filler = " ".join(f"item {i} is {i * 7 % 13}." for i in range(4000))
     filler_ids = tokenizer(filler)["input_ids"]
-    process = start(launch, log_dir / "verify-cost.log")
-    try:
-        wait_healthy(launch, process, log_dir / "verify-cost.log")
+    with running({"verify-cost": launch}, log_dir):
         result = {}
         for context in contexts:
             seen = _line_count(step_log)  # the server holds the log open: read past, never unlink
@@ -173,8 +165,6 @@ def verify_cost(launch: ServerLaunch, model_path: str, contexts: list[int], log_
         low, high = (result[str(c)]["verify_seconds_median"] for c in (min(contexts), max(contexts)))
         result["ratio_long_to_short"] = high / low
         return result
-    finally:
-        stop(process)
 
 
 def speedups(arms: dict) -> dict:
@@ -226,8 +216,7 @@ def bench_serve_command(
     Arms: plain (no speculation), nodraft (DSPARK_LIVE's verify path with no drafts), dspark.
     Their servers run side by side (ports --port, --port+1, ...) and take turns wave by wave."""
     target = model_path or prepared_target_path()
-    shipped = find_shipped_drafter()
-    drafter_path = drafter or (str(shipped) if shipped else None)
+    drafter_path = drafter_or_shipped(drafter)
     wanted = [a.strip() for a in arms.split(",") if a.strip()]
     if any(a not in ARMS for a in wanted):
         raise typer.BadParameter(f"--arms {arms!r}: expected a comma list of {', '.join(ARMS)}")
@@ -360,8 +349,7 @@ def sps_serve_command(
 def _sweep(target: str, drafter: str | None, concurrency: str, max_new_tokens: int, long_tokens: int,
            dtype: str, device: str, port: int) -> tuple[Path, int]:
     """Run the sweep server under waves of 1..N requests; (its step log, warm-up steps)."""
-    shipped = find_shipped_drafter()
-    drafter_path = drafter or (str(shipped) if shipped else None)
+    drafter_path = drafter_or_shipped(drafter)
     if drafter_path is None:
         typer.echo("error: no drafter given and none shipped; pass --drafter PATH", err=True)
         raise typer.Exit(code=2)
@@ -371,13 +359,9 @@ def _sweep(target: str, drafter: str | None, concurrency: str, max_new_tokens: i
     step_log = log_dir / "steps.jsonl"
     launch = ServerLaunch(model_path=target, port=port, device=device, dtype=dtype, drafter_path=drafter_path,
                           extra_env={"DSPARK_PLANNER": "sweep", "DSPARK_STEP_LOG": str(step_log)})
-    process = start(launch, log_dir / "server.log")
-    try:
-        wait_healthy(launch, process, log_dir / "server.log")
+    with running({"server": launch}, log_dir):
         run_wave(launch.url, texts[:2], 16)
         warm_up = _line_count(step_log)
         for c in levels:
             run_wave(launch.url, [texts[i % len(texts)] for i in range(c)], max_new_tokens)
-    finally:
-        stop(process)
     return step_log, warm_up

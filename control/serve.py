@@ -12,6 +12,8 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,6 +77,12 @@ def find_shipped_drafter() -> Path | None:
     return drafter if (drafter / "config.json").is_file() and (drafter / "model.safetensors").is_file() else None
 
 
+def drafter_or_shipped(drafter: str | None) -> str | None:
+    """`drafter` if given, else the shipped DSpark drafter, else None."""
+    shipped = find_shipped_drafter()
+    return drafter or (str(shipped) if shipped else None)
+
+
 def prepared_target_path() -> str:
     """The default target folder, converting it once if needed (imports torch: only when asked)."""
     from sglang_dspark.training.prepare import prepare_target
@@ -105,6 +113,21 @@ def wait_healthy(launch: ServerLaunch, process: subprocess.Popen, log_path: Path
             pass
         time.sleep(1)
     raise TimeoutError(f"server not healthy after {timeout_s:.0f}s; log tail:\n{log_path.read_text()[-3000:]}")
+
+
+@contextmanager
+def running(launches: dict[str, ServerLaunch], log_dir: Path) -> Iterator[None]:
+    """All servers started (logs `<log_dir>/<name>.log`) and healthy; all stopped on exit."""
+    processes = {}
+    try:
+        for name, launch in launches.items():
+            processes[name] = start(launch, log_dir / f"{name}.log")
+        for name, launch in launches.items():
+            wait_healthy(launch, processes[name], log_dir / f"{name}.log")
+        yield
+    finally:
+        for process in processes.values():
+            stop(process)
 
 
 def stop(process: subprocess.Popen) -> None:
