@@ -37,6 +37,8 @@ def train_command(
     layers: int = typer.Option(1, "--layers", help="Drafter transformer layers."),
     block_size: int = typer.Option(7, "--block-size", help="gamma: drafts per block."),
     twin_out: Optional[str] = typer.Option(None, "--twin-out", help="Also train the DFlash twin (rank 0, no confidence head) here, on the same batches."),
+    init_from: Optional[str] = typer.Option(None, "--init-from", help="Start a fresh run from this trained drafter folder (its weights and vocabulary; --layers may add identity-initialised layers)."),
+    twin_init_from: Optional[str] = typer.Option(None, "--twin-init-from", help="The same for the twin."),
     steps: int = typer.Option(1000, "--steps", help="Total optimizer steps (a resumed run continues towards it)."),
     lr: float = typer.Option(1e-3, "--lr"),
     draft_vocab: int = typer.Option(8192, "--draft-vocab", help="Reduced draft vocabulary size."),
@@ -62,9 +64,9 @@ def train_command(
         set_torch_threads(threads)
     target_dir = Path(_target_or_default(target))
     specs = [DrafterSpec(out=out, markov_rank=markov_rank, markov_head_type=markov_head,
-                         confidence_head=not no_confidence_head)]
+                         confidence_head=not no_confidence_head, init_from=init_from)]
     if twin_out:
-        specs.append(DrafterSpec(out=twin_out, markov_rank=0, confidence_head=False))
+        specs.append(DrafterSpec(out=twin_out, markov_rank=0, confidence_head=False, init_from=twin_init_from))
     settings = TrainSettings(layers=layers, block_size=block_size, draft_vocab_size=draft_vocab,
                              anchors_per_seq=anchors, seqs_per_step=seqs_per_step, steps=steps, lr=lr,
                              kl_alpha=kl_alpha, seed=seed, checkpoint_every=checkpoint_every, eval_every=eval_every)

@@ -104,3 +104,36 @@ def test_the_soft_cross_entropy_term_pulls_the_drafter_towards_the_target(tmp_pa
     log = [json.loads(line) for line in open(f"{spec.out}/train_log.jsonl")]
     soft_ce = [row["holdout_soft_ce"] for row in log if "holdout_soft_ce" in row]
     assert len(soft_ce) == 2 and soft_ce[-1] < soft_ce[0], soft_ce
+
+
+def _holdout_loss_at_first_step(spec: DrafterSpec, cache, target_dir, layers: int) -> float:
+    settings = _settings(1)
+    settings.layers, settings.eval_every, settings.lr = layers, 1, 0.0
+    train_drafters(cache, target_dir, [spec], settings, progress=False)
+    return json.loads(open(f"{spec.out}/train_log.jsonl").readline())["holdout_loss"]
+
+
+def test_a_grown_drafter_starts_where_its_source_stopped(tmp_path):
+    target_dir, cache = _tiny_setup(tmp_path)
+    source = DrafterSpec(out=str(tmp_path / "one-layer"), markov_rank=8)
+    train_drafters(cache, target_dir, [source], _settings(20), progress=False)
+    checkpoint = f"{source.out}/checkpoint"
+    kept = _holdout_loss_at_first_step(DrafterSpec(out=str(tmp_path / "same"), markov_rank=8,
+                                                   init_from=checkpoint), cache, target_dir, layers=1)
+    grown = _holdout_loss_at_first_step(DrafterSpec(out=str(tmp_path / "grown"), markov_rank=8,
+                                                    init_from=checkpoint), cache, target_dir, layers=2)
+    fresh = _holdout_loss_at_first_step(DrafterSpec(out=str(tmp_path / "fresh2"), markov_rank=8),
+                                        cache, target_dir, layers=2)
+    assert grown == pytest.approx(kept, rel=1e-5) and grown < 0.9 * fresh, (kept, grown, fresh)
+    shipped = load_drafter(f"{tmp_path}/grown", target=make_tiny_target(seed=0, initializer_range=PEAKED_INIT_STD))
+    source_d2t = load_drafter(source.out, target=make_tiny_target(seed=0, initializer_range=PEAKED_INIT_STD)).d2t
+    assert shipped.config.num_hidden_layers == 2 and torch.equal(shipped.d2t, source_d2t)
+
+
+def test_growing_refuses_a_source_with_other_heads(tmp_path):
+    target_dir, cache = _tiny_setup(tmp_path, num_seqs=8)
+    source = DrafterSpec(out=str(tmp_path / "rank8"), markov_rank=8)
+    train_drafters(cache, target_dir, [source], _settings(2), progress=False)
+    other = DrafterSpec(out=str(tmp_path / "rank4"), markov_rank=4, init_from=f"{source.out}/checkpoint")
+    with pytest.raises(ValueError, match="another shape"):
+        train_drafters(cache, target_dir, [other], _settings(2), progress=False)

@@ -48,6 +48,8 @@ class DrafterSpec:
     markov_rank: int = 64
     markov_head_type: str = "vanilla"
     confidence_head: bool = True
+    # a trained drafter folder to start from (a fresh run only): its weights, more layers allowed
+    init_from: str | None = None
 
 
 @dataclass
@@ -408,6 +410,8 @@ def train_drafters(cache: TargetCache, target_dir: Path, specs: list[DrafterSpec
     # a resumed run keeps the vocabulary it started with, even if the cache has grown since
     d2t = _checkpoint_d2t(specs)
     if d2t is None:
+        d2t = _init_d2t(specs)
+    if d2t is None:
         d2t = draft_vocabulary(cache, settings.draft_vocab_size, always=[eos])
     t2d = target_to_draft(d2t, weights.embed_tokens.shape[0])
     coverage = vocab_coverage(cache, t2d)
@@ -419,6 +423,8 @@ def train_drafters(cache: TargetCache, target_dir: Path, specs: list[DrafterSpec
     for spec in specs:
         run = DrafterRun(spec, build_drafter(target_dir, spec, settings, layer_ids, d2t, weights), settings)
         resumed = _resume(run, sampler, batch_generator, d2t, cache.num_sequences)
+        if resumed == 0 and spec.init_from:
+            grow_from(run.drafter, Path(spec.init_from))
         start_step = resumed if not runs else _same_step(start_step, resumed, spec)
         runs.append(run)
     started = time.perf_counter()
@@ -490,6 +496,54 @@ def _checkpoint_d2t(specs: list[DrafterSpec]) -> torch.Tensor | None:
         if state_path.exists():
             return torch.load(state_path, weights_only=False)["d2t"]
     return None
+
+
+def _init_d2t(specs: list[DrafterSpec]) -> torch.Tensor | None:
+    """The draft vocabulary of the ``init_from`` drafters (they must agree), None without any."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        if spec.init_from:
+            with safe_open(str(Path(spec.init_from) / "model.safetensors"), framework="pt") as handle:
+                if "d2t" not in handle.keys():
+                    raise ValueError(f"{spec.init_from}: no 'd2t' in model.safetensors; --init-from needs "
+                                     "a drafter with a reduced draft vocabulary")
+                found[spec.init_from] = handle.get_tensor("d2t").long()
+    vocabularies = list(found.values())
+    if any(not torch.equal(v, vocabularies[0]) for v in vocabularies[1:]):
+        raise ValueError(f"the --init-from drafters {sorted(found)} have different draft vocabularies; "
+                         "drafters trained together must share one")
+    return vocabularies[0] if vocabularies else None
+
+
+def grow_from(drafter: DSparkDrafter, source: Path) -> None:
+    """Start ``drafter`` from a trained one with as many or fewer layers.
+
+    Every tensor of the source is copied; each extra layer starts as the identity (its attention
+    output and MLP down projections are zero, so the residual passes through), so the grown
+    drafter drafts exactly like the source at step 0 and training only adds to it.
+    """
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(source / "model.safetensors"))
+    tensors.pop("d2t", None)
+    own = drafter.state_dict()
+    unknown = sorted(set(tensors) - set(own))
+    mismatched = sorted(k for k in tensors if k in own and tensors[k].shape != own[k].shape)
+    if unknown or mismatched:
+        raise ValueError(f"{source}: cannot start this drafter from it: tensors it lacks {unknown}, "
+                         f"tensors of another shape {mismatched}; --init-from keeps the heads, the "
+                         "vocabulary and the taps of the source and may only add layers")
+    missing = drafter.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False).missing_keys
+    added = {k.split(".")[1] for k in missing if k.startswith("layers.")}
+    if any(not k.startswith("layers.") for k in missing):
+        raise ValueError(f"{source}: has no {[k for k in missing if not k.startswith('layers.')]}")
+    with torch.no_grad():
+        for index in added:
+            layer = drafter.layers[int(index)]
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
 
 
 def _resume(run: DrafterRun, sampler: SequenceSampler, batch_generator: torch.Generator,
