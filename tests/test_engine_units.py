@@ -166,6 +166,26 @@ def test_draft_cost_tracker_learns_a_line_over_batch_size():
     assert tracker.estimate(16) == pytest.approx(0.034)
 
 
+def test_draft_costs_charge_the_block_once_and_the_walk_per_slot():
+    from sglang_dspark.engine.planning import DraftCosts
+
+    costs = DraftCosts()
+    costs.add(4, 7, block_seconds=0.004, walk_seconds=0.007)
+    costs.add(4, 2, block_seconds=0.004, walk_seconds=0.002)
+    assert costs.per_width(4, 3) == pytest.approx([0.0, 0.005, 0.006, 0.007])
+
+
+def test_a_short_draft_width_walks_fewer_slots_and_verifies_within_them(tmp_path, monkeypatch):
+    """A step that decided on 2 slots gets 2 columns of confidences; the plan keeps to them."""
+    planner = _production_planner(tmp_path, monkeypatch)
+    rids, context = ["a", "b"], torch.tensor([100, 100])
+    from sglang_dspark.engine.planning import StepDecision
+
+    plan = planner.plan(rids, torch.full((2, 2), 8.0), context, StepDecision(draft_width=2, capacity=6))
+    assert plan.verify_lens.tolist() == [2, 2]
+    assert plan.confidence_logits.shape == (2, 2) and plan.survivals.shape == (2, 2)
+
+
 def _production_planner(tmp_path, monkeypatch):
     from pathlib import Path
 
@@ -185,7 +205,7 @@ def test_production_planner_skips_a_drafter_that_costs_more_than_it_returns(tmp_
     hopeless = torch.full((2, 7), -8.0)
     for _ in range(3):
         planner.plan(rids, hopeless, context)
-    planner.draft_costs.add(2, 1.0)  # a drafter far slower than the target step
+    planner.draft_costs.add(2, 7, 1.0, 0.0)  # a drafter far slower than the target step
     decisions = [planner.decide(rids, context) for _ in range(2 * EXPLORE_EVERY)]
     skipped = [not d.draft for d in decisions]
     assert sum(skipped) >= 2 * EXPLORE_EVERY - 2, "drafts that cannot pay are not drafted"
@@ -200,7 +220,7 @@ def test_production_planner_drafts_when_drafts_pay(tmp_path, monkeypatch):
     sure = torch.full((2, 7), 8.0)
     for _ in range(3):
         planner.plan(rids, sure, context)
-    planner.draft_costs.add(2, 0.001)
+    planner.draft_costs.add(2, 7, 0.0005, 0.0005)
     decision = planner.decide(rids, context)
     assert decision.draft and decision.capacity > 0
     assert int(planner.plan(rids, sure, context, decision).verify_lens.sum()) == decision.capacity
@@ -238,6 +258,8 @@ def test_fixed_zero_skips_the_drafter_and_verifies_only_the_bonus(tmp_path, monk
     decision = planner.decide(["a", "b"], torch.tensor([5, 9]))
     plan = planner.skipped(["a", "b"], torch.tensor([5, 9]))
     assert not decision.draft
+    monkeypatch.setenv("DSPARK_PLANNER", "fixed:3")
+    assert VerifyPlanner(load_settings(_draft_folder(tmp_path))).decide(["a"], torch.tensor([5])).draft_width == 3
     assert plan.verify_lens.tolist() == [0, 0] and plan.predicted_seconds is None
 
 

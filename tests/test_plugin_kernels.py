@@ -107,3 +107,26 @@ def test_a_bad_gemm_layout_knob_is_refused(monkeypatch):
     monkeypatch.setenv("DSPARK_CPU_GEMM_LAYOUT", "packed")
     with pytest.raises(ValueError, match="expected one of auto, off"):
         gemm_layout_mode()
+
+
+def test_a_column_major_drafter_drafts_the_same_blocks():
+    """The worker re-lays out the drafter's linears on CPU: only strides change, not its blocks."""
+    from sglang_dspark.kernels_cpu.gemm_layout import relayout_linears
+    from tests.tiny import make_tiny_drafter, make_tiny_target, tiny_taps
+
+    target = make_tiny_target(seed=0)
+    drafter = make_tiny_drafter(target, num_layers=2, gamma=4)
+    ids = torch.randint(3, 400, (1, 12), generator=torch.Generator().manual_seed(0))
+    taps = tiny_taps(target, ids)[0]
+
+    def block() -> torch.Tensor:
+        cache = drafter.new_cache(num_slots=1, capacity=16)
+        drafter.append_context(cache, [0], taps[:10], [10])
+        return drafter.forward_block(cache, [0], ids[0, 10:11])
+
+    before = block()
+    linears = [m for m in drafter.modules() if isinstance(m, torch.nn.Linear)]
+    row_major = sum(1 for m in linears if not m.weight.t().is_contiguous())
+    assert row_major > 0 and relayout_linears(drafter) == row_major
+    assert all(m.weight.t().is_contiguous() for m in linears) and relayout_linears(drafter) == 0
+    torch.testing.assert_close(block(), before)

