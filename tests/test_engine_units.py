@@ -282,3 +282,38 @@ def test_greedy_requests_use_their_own_calibration(tmp_path, monkeypatch):
     torch.testing.assert_close(survivals[1], torch.stack([sampled, sampled * sampled]))
     torch.testing.assert_close(survivals[0], torch.stack([greedy, greedy * greedy]))
     torch.testing.assert_close(survivals[2], survivals[0])
+
+
+def test_the_planner_rescales_its_table_to_the_steps_it_measures(tmp_path, monkeypatch):
+    """A table profiled on a slower day overstates the target's seconds; once the steps show the
+    machine runs 4x faster, a drafter that cost little against the table no longer pays."""
+    from sglang_dspark.engine.planning import EXPLORE_EVERY
+
+    planner = _production_planner(tmp_path, monkeypatch)
+    rids, context = ["a", "b"], torch.tensor([100, 100])
+    fair = torch.full((2, 7), 0.0)
+    for _ in range(3):
+        planner.plan(rids, fair, context)
+    step = planner.skipped(rids, context).predicted_seconds
+    planner.draft_costs.add(2, 7, 0.25 * step, 0.0)
+    assert planner.decide(rids, context).draft, "against the table the drafter pays"
+    drafted = []
+    for _ in range(200):
+        drafted.append(planner.decide(rids, context).draft)
+        plan = planner.skipped(rids, context)
+        planner.observe(plan, plan.predicted_seconds / 4)
+    assert planner.skipped(rids, context).predicted_seconds == pytest.approx(step / 4, rel=0.05)
+    assert sum(drafted[-100:]) <= 100 // EXPLORE_EVERY + 1, "against the measured steps it does not"
+
+
+def test_the_time_scale_ignores_steps_without_a_prediction_and_stays_bounded():
+    from sglang_dspark.scheduling.cost_model import uninitialised_cost_model
+    from sglang_dspark.scheduling.planner import TwoStepCapacityPlanner
+
+    planner = TwoStepCapacityPlanner(uninitialised_cost_model(), gamma=3)
+    planner.observe(None, 1.0)
+    planner.observe(0.0, 1.0)
+    assert planner.time_scale == 1.0
+    for _ in range(1000):
+        planner.observe(1.0, 100.0)
+    assert planner.time_scale == pytest.approx(4.0)

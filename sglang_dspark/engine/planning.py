@@ -12,6 +12,9 @@
   `fill_capacity`). Non-anticipating, so lossless. When drafts are not worth their cost (a weak
   drafter, a saturated engine) the step skips the drafter and runs as plain decoding, with a
   probe draft every `EXPLORE_EVERY` steps so the planner sees when drafts become worth it again.
+  The drafter runs only the slots the step may verify; its cost is learnt live per batch size
+  (block forward once, Markov walk per slot), and the table's seconds are rescaled to the
+  measured steps (`observe`), so that both sides of the trade are in today's seconds.
 
 Survivals a_k = prod_{i<=k} sigmoid(c_i / T_i) use the STS temperatures from `DSPARK_STS_PATH` or
 `<draft>/sts.json` (identity without one); greedy requests use `DSPARK_STS_GREEDY_PATH` or
@@ -107,15 +110,13 @@ class VerifyPlanner:
         self.calibration = self._load_calibration(settings.sts_path)
         self.greedy_calibration = self._load_calibration(settings.sts_greedy_path)
         self.capacity_planner = None
-        self.cost_model = None
         self.draft_costs = DraftCosts()
         self._sweep_step = 0
         if settings.planner == "production":
             from sglang_dspark.scheduling.cost_model import load_cost_model
             from sglang_dspark.scheduling.planner import TwoStepCapacityPlanner
 
-            self.cost_model = load_cost_model(settings.sps_path)
-            self.capacity_planner = TwoStepCapacityPlanner(self.cost_model, gamma=self.gamma, lag=2,
+            self.capacity_planner = TwoStepCapacityPlanner(load_cost_model(settings.sps_path), gamma=self.gamma, lag=2,
                                                            explore_every=EXPLORE_EVERY)
 
     def _load_calibration(self, path):
@@ -211,10 +212,17 @@ class VerifyPlanner:
             return (self._sweep_step - 1) % (self.gamma + 1)
         return self.gamma if self.settings.planner == "all" else self.settings.fixed_drafts
 
+    def observe(self, plan: Plan, target_seconds: float) -> None:
+        """A finished step's seconds after drafting (verify forward, acceptance, bookkeeping: what
+        the table was fitted on) against the plan's prediction: the production planner rescales
+        its table from them."""
+        if self.capacity_planner is not None:
+            self.capacity_planner.observe(plan.predicted_seconds, target_seconds)
+
     def _predict(self, batch: int, drafts: int, context_lens: torch.Tensor) -> float | None:
-        if self.cost_model is None:
+        if self.capacity_planner is None:
             return None
         from sglang_dspark.scheduling.cost_model import StepShape
 
         shape = StepShape(num_requests=batch, batch_tokens=batch + drafts, context_tokens=int(context_lens.sum()))
-        return self.cost_model.predict(shape)
+        return self.capacity_planner.cost_model.predict(shape)

@@ -314,6 +314,7 @@ class DSparkLiveWorker(BaseSpecWorker):
                 did_draft: bool):
         self._step += 1
         finished = time.perf_counter()
+        self.planner.observe(plan, finished - drafted)
         no_head = [[] for _ in rids]  # a drafter without a confidence head predicts no survivals
         confidences = no_head if plan.confidence_logits is None else plan.confidence_logits.tolist()
         survivals = no_head if plan.survivals is None else plan.survivals.tolist()

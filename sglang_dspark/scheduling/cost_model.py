@@ -301,6 +301,35 @@ _KINDS: dict[str, type[CostModel]] = {
 }
 
 
+class ScaledCostModel(CostModel):
+    """`base` times `scale`: the table in force, corrected for how fast the machine runs now.
+
+    A live planner learns the factor from its own steps (`TwoStepCapacityPlanner.observe`): the
+    shape of a profiled table (what one more draft costs relative to a step) holds for hours, its
+    absolute seconds do not on a shared VM (this project's drifted by up to 25 % between waves),
+    and the drafter's cost is measured live, so an unscaled table mis-weighs drafts against
+    verification. Not a file format: the table on disk stays the profiled one."""
+
+    kind = "scaled"
+
+    def __init__(self, base: CostModel, scale: float) -> None:
+        self.base, self.scale, self.metadata = base, float(scale), base.metadata
+
+    def seconds_curve(
+        self, num_requests: int, batch_tokens: np.ndarray, context_tokens: float = 0.0
+    ) -> np.ndarray:
+        return self.base.seconds_curve(num_requests, batch_tokens, context_tokens) * self.scale
+
+    def _params(self) -> dict[str, Any]:
+        return {"base": self.base.to_json(), "scale": self.scale}
+
+    def _problems(self) -> list[str]:
+        problems = self.base._problems()
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            problems.append(f"scale must be a positive number, got {self.scale}")
+        return problems
+
+
 def cost_model_from_json(data: dict[str, Any]) -> CostModel:
     """Parse and validate; CostModelError names the field that is wrong."""
     if not isinstance(data, dict):

@@ -34,7 +34,7 @@ from typing import Hashable, Sequence
 import numpy as np
 import torch
 
-from sglang_dspark.scheduling.cost_model import CostModel, CostModelSlot, StepCostTable
+from sglang_dspark.scheduling.cost_model import CostModel, CostModelSlot, ScaledCostModel, StepCostTable
 
 DEFAULT_SURVIVAL_EPS = 1e-6
 
@@ -137,6 +137,8 @@ def _lens_from_admitted(path: _Path, admitted: int) -> torch.Tensor:
 
 
 def _is_flat(cost_model: CostModel) -> bool:
+    if isinstance(cost_model, ScaledCostModel):
+        return _is_flat(cost_model.base)
     return isinstance(cost_model, StepCostTable) and cost_model.is_flat
 
 
@@ -321,6 +323,9 @@ class _Snapshot:
     survivals: np.ndarray
 
 
+MAX_LOG_SCALE = math.log(4.0)
+
+
 class TwoStepCapacityPlanner:
     """The production planner's state, held by the worker across decode steps.
 
@@ -335,6 +340,8 @@ class TwoStepCapacityPlanner:
     With `long_run` (default) each decision maximises expected tokens - lambda * seconds, lambda
     the running tokens/s of its recent decisions (see `decide_capacity`): the long-run rate, not
     one step's, is what aggregate and per-user speed are made of.
+    The table's seconds are scaled by what the finished steps measured (`observe`), since the
+    drafter's cost, against which they are weighed, is measured live too.
     """
 
     def __init__(
@@ -349,6 +356,7 @@ class TwoStepCapacityPlanner:
         prior_decay: float = 0.05,
         long_run: bool = True,
         throughput_decay: float = 0.05,
+        scale_decay: float = 0.05,
     ) -> None:
         if lag < 1 or gamma < 1 or window < 1 or explore_every < 1:
             raise PlannerError(
@@ -366,11 +374,31 @@ class TwoStepCapacityPlanner:
         self._mean_tokens: float | None = None  # running means of the chosen steps
         self._mean_seconds: float | None = None
         self._decisions = 0
+        self.time_scale = 1.0
+        self.scale_decay = scale_decay
 
     @property
     def cost_slot(self) -> CostModelSlot:
         """Swap the table at a step boundary with `cost_slot.replace(...)`."""
         return self._slot
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The table in force times the time scale learnt from the live steps (`observe`)."""
+        model = self._slot.model
+        return model if self.time_scale == 1.0 else ScaledCostModel(model, self.time_scale)
+
+    def observe(self, predicted_seconds: float | None, measured_seconds: float) -> None:
+        """A finished step's target seconds as `cost_model` predicted them and as measured: moves
+        the time scale towards their ratio (a running mean in log space, within [1/4, 4], so one
+        stalled step cannot turn speculation off)."""
+        if not predicted_seconds or not (predicted_seconds > 0 and measured_seconds > 0):
+            return
+        if not (math.isfinite(predicted_seconds) and math.isfinite(measured_seconds)):
+            return
+        step = self.scale_decay * math.log(measured_seconds / predicted_seconds)
+        log_scale = min(max(math.log(self.time_scale) + step, -MAX_LOG_SCALE), MAX_LOG_SCALE)
+        self.time_scale = math.exp(log_scale)
 
     def prior_survival(self) -> torch.Tensor:
         """The survival curve assumed for a request nothing is known about."""
@@ -440,7 +468,7 @@ class TwoStepCapacityPlanner:
         explore = self._skips + 1 >= self.explore_every
         decision = decide_capacity(
             lagged,
-            self._slot.model,
+            self.cost_model,
             context_tokens=context_tokens,
             fixed_seconds=self.fixed_seconds if fixed_seconds is None else fixed_seconds,
             draft_seconds=draft_seconds,
