@@ -132,27 +132,17 @@ def test_verify_spans_come_from_the_extend_fields_of_a_verify_forward_only():
     assert verify_spans(batch) is None
 
 
-def test_production_planner_spends_a_lagged_capacity_on_this_steps_best_survivals(tmp_path, monkeypatch):
-    from pathlib import Path
-
-    from sglang_dspark.engine.planning import VerifyPlanner
-
-    profile = Path(__file__).resolve().parent.parent / "profiles" / "cpu-smollm2-135m-target-context.json"
-    monkeypatch.setenv("DSPARK_SPS_PATH", str(profile))
-    monkeypatch.setenv("DSPARK_PLANNER", "production")
-    planner = VerifyPlanner(load_settings(_draft_folder(tmp_path, block_size=7)))
+def test_production_planner_verifies_the_drafts_whose_survival_pays_for_them(tmp_path, monkeypatch):
+    planner = _production_planner(tmp_path, monkeypatch)
     rids = ["a", "b", "c"]
-    confident = torch.tensor([[6.0] * 7, [-6.0] * 7, [0.0] * 7])
+    logits = torch.tensor([[6.0] * 7, [-6.0] * 7, [0.0] * 7])  # sure, hopeless, a coin flip each
     context = torch.tensor([100, 200, 300])
-    plans = [planner.plan(rids, confident, context) for _ in range(4)]
-    first = plans[0]
-    assert first.capacity == 21, "before any history the capacity is verify-all"
-    assert first.verify_lens.tolist() == [7, 7, 7]
-    for plan in plans[2:]:
-        assert 0 <= plan.capacity <= 21 and plan.predicted_seconds > 0
-        assert int(plan.verify_lens.sum()) == plan.capacity
-        # the global top-K goes to the confident request first, the hopeless one last
-        assert plan.verify_lens[0] >= plan.verify_lens[2] >= plan.verify_lens[1]
+    first = planner.plan(rids, logits, context)
+    assert first.capacity == 21, "before any history the whole block is drafted"
+    for plan in [first] + [planner.plan(rids, logits, context) for _ in range(3)]:
+        lens = plan.verify_lens.tolist()
+        assert lens[0] == 7 and lens[1] == 0 and 0 < lens[2] < 7, lens
+        assert plan.predicted_seconds > 0 and int(plan.verify_lens.sum()) <= plan.capacity
 
 
 def test_draft_cost_tracker_learns_a_line_over_batch_size():
@@ -198,13 +188,13 @@ def _production_planner(tmp_path, monkeypatch):
 
 
 def test_production_planner_skips_a_drafter_that_costs_more_than_it_returns(tmp_path, monkeypatch):
-    from sglang_dspark.engine.planning import EXPLORE_EVERY
+    from sglang_dspark.engine.planning import EXPLORE_EVERY, StepDecision
 
     planner = _production_planner(tmp_path, monkeypatch)
     rids, context = ["a", "b"], torch.tensor([100, 100])
     hopeless = torch.full((2, 7), -8.0)
     for _ in range(3):
-        planner.plan(rids, hopeless, context)
+        planner.plan(rids, hopeless, context, StepDecision(draft_width=7, capacity=14))
     planner.draft_costs.add(2, 7, 1.0, 0.0)  # a drafter far slower than the target step
     decisions = [planner.decide(rids, context) for _ in range(2 * EXPLORE_EVERY)]
     skipped = [not d.draft for d in decisions]

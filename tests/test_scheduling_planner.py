@@ -7,10 +7,12 @@ import torch
 
 from sglang_dspark.scheduling.cost_model import AdditiveCostModel, StepCostTable, uninitialised_cost_model
 from sglang_dspark.scheduling.planner import (
+    EarlyStopPlanner,
     PlannerError,
     TwoStepCapacityPlanner,
     capacity_from,
     decide_capacity,
+    early_stop_lens,
     fill_capacity,
     plan_algorithm1,
     survivals_from_confidences,
@@ -121,6 +123,8 @@ def planners_under_test():
         "algorithm1_min_max": lambda s: plan_algorithm1(s, cost, min_lens=1, max_lens=5),
         "production_fill": lambda s: fill_capacity(s, capacity),
         "production_fill_small_k": lambda s: fill_capacity(s, 7),
+        "early_stop": lambda s: early_stop_lens(s, cost, throughput=1000.0),
+        "early_stop_width_5": lambda s: early_stop_lens(s, cost, throughput=1000.0, max_lens=5),
     }
 
 
@@ -235,3 +239,34 @@ def test_budget_shrinks_with_load_on_the_measured_cpu_profiles(kind):
             greedy.append(float(plan_algorithm1(survivals, cost, context_tokens=512.0 * load).sum()) / load)
         for curve in (budgets, greedy):
             assert all(b <= a + 1e-9 for a, b in zip(curve, curve[1:])), curve
+
+
+def test_early_stop_verifies_while_a_draft_pays_for_its_seconds():
+    survivals = torch.tensor([[0.9, 0.6, 0.4, 0.1], [0.7, 0.3, 0.2, 0.1]])
+    cost = affine(0.05, 0.001)  # one more verify token: 1 ms
+    # at 500 tokens/s a draft pays from survival 0.5: 0.9, 0.7, 0.6 are verified, then 0.4 stops it
+    assert early_stop_lens(survivals, cost, throughput=500.0).tolist() == [2, 1]
+    assert early_stop_lens(survivals, cost, throughput=500.0, max_lens=1).tolist() == [1, 1]
+    assert early_stop_lens(survivals, cost, throughput=50.0).tolist() == [4, 4]
+
+
+def test_early_stop_planner_drafts_for_confident_traffic_and_skips_hopeless_traffic():
+    ids = list(range(8))
+    confident = EarlyStopPlanner(affine(0.05, 0.001), gamma=7)
+    assert confident.decide(ids).draft_width == 7, "nothing known yet: draft the whole block"
+    confident.publish(ids, torch.full((8, 7), 0.95).cumprod(dim=1))
+    decision = confident.decide(ids, draft_seconds=0.005)
+    assert decision.draft_width == 7 and decision.expected_tokens > 8 + 8 * 3
+
+    hopeless = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=5)
+    hopeless.publish(ids, torch.full((8, 7), 0.05).cumprod(dim=1))
+    widths = [hopeless.decide(ids, draft_seconds=0.01).draft_width for _ in range(10)]
+    assert widths.count(0) == 8 and widths[4] > 0 and widths[9] > 0, "skips, with a probe now and then"
+
+
+def test_early_stop_planner_drafts_short_blocks_when_the_walk_costs_per_slot():
+    ids = list(range(4))
+    planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7)
+    planner.publish(ids, torch.tensor([0.9, 0.8, 0.5, 0.4, 0.3, 0.2, 0.1]).expand(4, 7))
+    per_slot = [0.0] + [0.004 * w for w in range(1, 8)]
+    assert 1 <= planner.decide(ids, draft_seconds=per_slot).draft_width < 7

@@ -5,15 +5,14 @@
 * `sweep`: step s verifies s mod (gamma + 1) drafts per request, so the step log covers every
   verify width at whatever batch sizes the traffic brings (`dspark-ctl bench sps-serve` fits the
   engine's cost model from it).
-* `production`: before the drafter runs, `decide` picks the capacity K and whether to draft at
-  all from survivals two steps back (known before the target forward is launched, as overlap
-  scheduling needs) and the drafter's measured cost at this batch size; then `plan` spends K on a
-  global top-K over this step's survivals (`scheduling.TwoStepCapacityPlanner` +
-  `fill_capacity`). Non-anticipating, so lossless. When drafts are not worth their cost (a weak
-  drafter, a saturated engine) the step skips the drafter and runs as plain decoding, with a
-  probe draft every `EXPLORE_EVERY` steps so the planner sees when drafts become worth it again.
-  The drafter runs only the slots the step may verify; its cost is learnt live per batch size
-  (block forward once, Markov walk per slot), and the table's seconds are rescaled to the
+* `production`: before the drafter runs, `decide` picks the draft width (0: skip the drafter)
+  by valuing each width on virtual batches drawn from recent steps' survivals, against the
+  drafter's cost measured live at this batch size (block forward once, Markov walk per slot);
+  then `plan` verifies, within that width, the drafts whose survival pays for the target seconds
+  they add, stopping at the first that does not (`scheduling.EarlyStopPlanner`; non-anticipating,
+  so lossless). When drafts are not worth their cost (a weak drafter, a saturated engine) steps
+  skip the drafter and run as plain decoding, with a probe draft every `EXPLORE_EVERY` steps so
+  the planner sees when drafts become worth it again. The table's seconds are rescaled to the
   measured steps (`observe`), so that both sides of the trade are in today's seconds.
 
 Survivals a_k = prod_{i<=k} sigmoid(c_i / T_i) use the STS temperatures from `DSPARK_STS_PATH` or
@@ -114,10 +113,10 @@ class VerifyPlanner:
         self._sweep_step = 0
         if settings.planner == "production":
             from sglang_dspark.scheduling.cost_model import load_cost_model
-            from sglang_dspark.scheduling.planner import TwoStepCapacityPlanner
+            from sglang_dspark.scheduling.planner import EarlyStopPlanner
 
-            self.capacity_planner = TwoStepCapacityPlanner(load_cost_model(settings.sps_path), gamma=self.gamma, lag=2,
-                                                           explore_every=EXPLORE_EVERY)
+            self.capacity_planner = EarlyStopPlanner(load_cost_model(settings.sps_path), gamma=self.gamma,
+                                                     explore_every=EXPLORE_EVERY, seed=settings.seed)
 
     def _load_calibration(self, path):
         """STS temperatures (and biases) from `path` cut to gamma, or None (no file)."""
@@ -187,12 +186,10 @@ class VerifyPlanner:
             verify_lens = torch.full((batch,), min(self._next_static_drafts(), width), dtype=torch.long)
             return Plan(verify_lens=verify_lens, capacity=None, predicted_seconds=None,
                         confidence_logits=confidence_logits, survivals=survivals[:, :width])
-        from sglang_dspark.scheduling.planner import fill_capacity
-
         if not decision.draft:
             raise ValueError("plan() needs drafts: a step decided not to draft takes skipped()")
         width = min(width, decision.draft_width)
-        verify_lens = fill_capacity(survivals, decision.capacity, max_lens=width)
+        verify_lens = self.capacity_planner.verify_lens(survivals, width, float(context_lens.sum()))
         self.capacity_planner.publish(request_ids, survivals, width)
         return Plan(verify_lens=verify_lens, capacity=decision.capacity,
                     predicted_seconds=self._predict(batch, int(verify_lens.sum()), context_lens),

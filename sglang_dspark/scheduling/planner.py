@@ -504,3 +504,98 @@ class TwoStepCapacityPlanner:
     def capacity(self, request_ids: Sequence[Hashable], **kwargs) -> int:
         """`decide(...).capacity`."""
         return self.decide(request_ids, **kwargs).capacity
+
+
+def early_stop_lens(
+    survivals: torch.Tensor,
+    cost_model: CostModel,
+    throughput: float,
+    *,
+    context_tokens: float = 0.0,
+    max_lens: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """Verify lengths from this step's survivals [B, gamma]: candidates in the global order of
+    survival (ties: earlier position, then lower request) are admitted while each pays for the
+    target seconds it adds, a_i >= throughput * (T(B + i) - T(B + i - 1)), up to the first that
+    does not.
+
+    Lossless: survival a_{b,k} reads the drafts before slot k only, and every candidate ahead of
+    it in the order has a survival at least as high (its own earlier slots, or other requests),
+    so whether draft k is verified never depends on draft k itself (non-anticipating)."""
+    values = _as_array(survivals)
+    low, high = _check_inputs(values, None, max_lens)
+    batch = values.shape[0]
+    path = _admission_path(values, low, high, eps=-1.0)
+    tokens = batch + np.arange(path.values.size + 1, dtype=np.float64)
+    marginal = np.diff(_target_seconds(cost_model, batch, tokens, context_tokens))
+    pays = path.values >= throughput * marginal
+    return _lens_from_admitted(path, int(np.cumprod(pays).sum()))
+
+
+class EarlyStopPlanner(TwoStepCapacityPlanner):
+    """The production planner of DSPARK_LIVE: draft width from recent steps, verify lengths by
+    early stop (`early_stop_lens`) on this step's survivals.
+
+    Why not the paper's lagged per-request capacity: on this project's eval traces a request's
+    acceptance two rounds back says next to nothing about its acceptance now (P(first draft
+    accepted) 0.37 after an accepted round, 0.38 after a rejected one, greedy), and a capacity
+    fixed before drafting verifies the same number of drafts whatever their confidence. Replayed
+    on those traces at concurrency 1 (greedy, SPS table, 7.5 ms drafter), the lagged planner
+    drafted on 20 % of steps for 1.03x over plain decoding; drafting every step and stopping
+    verification early gave 1.19x.
+
+    So `decide` values each draft width by applying the early-stop rule to virtual batches drawn
+    from the recent steps' survival rows (any request: a pool, not a per-request lag), charges
+    the drafter's measured cost for that width, and keeps the best (width 0: skip the drafter,
+    with a probe every `explore_every` steps). Then `verify_lens` applies the rule for real.
+    `capacity` in its decisions is the most the width allows (the early stop admits fewer)."""
+
+    def __init__(self, cost_model: CostModel | CostModelSlot, gamma: int, *, pool_steps: int = 16,
+                 virtual_rows: int = 256, explore_every: int = 16, seed: int = 0, **kwargs) -> None:
+        super().__init__(cost_model, gamma, lag=1, window=pool_steps, explore_every=explore_every, **kwargs)
+        self.virtual_rows = virtual_rows
+        self._rng = np.random.default_rng(seed)
+
+    def _throughput(self, batch: int, context_tokens: float) -> float:
+        """lambda: the recent decisions' tokens/s, or plain decoding's before there are any."""
+        recent = self.long_run_throughput()
+        if recent is not None:
+            return recent
+        one_token = _target_seconds(self.cost_model, batch, np.array([float(batch)]), context_tokens)[0]
+        return batch / (one_token + self.fixed_seconds)
+
+    def decide(self, request_ids: Sequence[Hashable], *, context_tokens: float = 0.0,
+               draft_seconds: float | Sequence[float] = 0.0, **unused) -> CapacityDecision:
+        batch = len(request_ids)
+        if not self._history:  # nothing known: draft the whole block and learn
+            return CapacityDecision(batch * self.gamma, self.gamma, float("nan"), float("nan"))
+        pool = np.concatenate([snapshot.survivals for snapshot in self._history])
+        virtual = pool[self._rng.integers(0, len(pool), size=(max(1, self.virtual_rows // batch), batch))]
+        costs = _draft_costs(draft_seconds, self.gamma)
+        throughput = self._throughput(batch, context_tokens)
+        tokens = batch + np.arange(batch * self.gamma + 1, dtype=np.float64)
+        target = _target_seconds(self.cost_model, batch, tokens, context_tokens) + self.fixed_seconds
+        marginal = np.diff(target)
+        expected = np.empty(self.gamma + 1)
+        seconds = np.empty(self.gamma + 1)
+        expected[0], seconds[0] = batch, target[0]
+        for width in range(1, self.gamma + 1):
+            candidates = -np.sort(-virtual[:, :, :width].reshape(len(virtual), -1), axis=1)
+            pays = candidates >= throughput * marginal[: candidates.shape[1]]
+            admitted = np.cumprod(pays, axis=1)
+            expected[width] = batch + (candidates * admitted).sum(axis=1).mean()
+            seconds[width] = target[admitted.sum(axis=1)].mean() + costs[width]
+        value = expected - throughput * seconds
+        if self._skips + 1 >= self.explore_every:
+            value[0] = -np.inf
+        width = self.gamma - int(np.argmax(value[::-1]))  # ties go to the wider block
+        self._skips = 0 if width > 0 else self._skips + 1
+        decision = CapacityDecision(batch * width, width, float(expected[width]), float(seconds[width]))
+        self._track_throughput(decision)
+        return decision
+
+    def verify_lens(self, survivals: torch.Tensor, width: int, context_tokens: float = 0.0) -> torch.Tensor:
+        """This step's verify lengths (`early_stop_lens` within the drafted width)."""
+        throughput = self._throughput(survivals.shape[0], context_tokens)
+        return early_stop_lens(survivals, self.cost_model, throughput, context_tokens=context_tokens,
+                               max_lens=width)
