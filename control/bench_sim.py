@@ -22,6 +22,7 @@ POLICY_STYLE = {
     "static_7": ("tab:orange", "^"),
     "algorithm1": ("tab:purple", "v"),
     "scheduled": ("tab:green", "D"),
+    "early_stop": ("tab:red", "P"),
 }
 
 

@@ -53,6 +53,17 @@ def test_simulator_is_deterministic_and_policies_behave_as_defined():
     assert static.mean_verified_drafts > 5.0 and static.tau > 2.0
 
 
+def test_the_production_early_stop_planner_is_simulated_and_beats_both_baselines():
+    settings = SimSettings(requests_per_slot=2, min_requests=6, output_tokens=(32, 64))
+    for concurrency in (1, 3):
+        run = lambda policy: simulate(policy, concurrency, cpu_like(), drafter_like(),  # noqa: E731
+                                      SyntheticTraces(seed=0), settings)
+        early = run("early_stop")
+        assert early.to_json() == run("early_stop").to_json()
+        assert early.aggregate_tps > max(run("no_spec").aggregate_tps, run("static_7").aggregate_tps)
+        assert 0 < early.mean_verified_drafts < 7
+
+
 def test_trace_file_round_trip_and_errors(tmp_path):
     path = tmp_path / "traces.jsonl"
     rows = [

@@ -594,8 +594,9 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         self._track_throughput(decision)
         return decision
 
-    def verify_lens(self, survivals: torch.Tensor, width: int, context_tokens: float = 0.0) -> torch.Tensor:
-        """This step's verify lengths (`early_stop_lens` within the drafted width)."""
+    def verify_lens(self, survivals: torch.Tensor, max_lens: torch.Tensor | int,
+                    context_tokens: float = 0.0) -> torch.Tensor:
+        """This step's verify lengths (`early_stop_lens` within the drafted width, `max_lens`)."""
         throughput = self._throughput(survivals.shape[0], context_tokens)
         return early_stop_lens(survivals, self.cost_model, throughput, context_tokens=context_tokens,
-                               max_lens=width)
+                               max_lens=max_lens)

@@ -8,10 +8,12 @@ min(verified, natural) + 1 tokens (capped at what it still needs).
 
 Policies: no_spec (no drafter, one token per step), static_1 (verify one draft; the drafter runs
 one slot, MTP-1-like), static_7 (verify the whole block), algorithm1 (paper Algorithm 1 on this
-step's survivals, drafter cost as fixed per-step time), scheduled (the production planner:
+step's survivals, drafter cost as fixed per-step time), scheduled (the paper's two-step planner:
 capacity K and drafter block width from survivals at least `lag` steps back, top-K fill on
-this step's survivals; the drafter is charged for the chosen width, and at width 0 its forward
-is skipped and no new survivals are published).
+this step's survivals), early_stop (DSPARK_LIVE's production planner, `EarlyStopPlanner`: the
+width valued on recent survivals, then verification in survival order up to the first draft
+that does not pay). For the last two the drafter is charged for the chosen width, and at width 0
+its forward is skipped and no new survivals are published.
 
 Metrics: aggregate tokens/s = tokens committed / simulated time; per-user tokens/s = mean over
 finished requests of output tokens / (finish - start); tau = tokens committed per request-step.
@@ -27,6 +29,7 @@ import torch
 
 from sglang_dspark.scheduling.cost_model import CostModel, StepShape
 from sglang_dspark.scheduling.planner import (
+    EarlyStopPlanner,
     TwoStepCapacityPlanner,
     fill_capacity,
     plan_algorithm1,
@@ -34,7 +37,8 @@ from sglang_dspark.scheduling.planner import (
 )
 from sglang_dspark.scheduling.traces import RoundSource
 
-POLICIES = ("no_spec", "static_1", "static_7", "algorithm1", "scheduled")
+POLICIES = ("no_spec", "static_1", "static_7", "algorithm1", "scheduled", "early_stop")
+PLANNED = ("scheduled", "early_stop")  # the policies that choose a draft width each step
 
 
 class SimulationError(ValueError):
@@ -152,6 +156,7 @@ def _policy_lens(
     target: CostModel,
     context: int,
     draft_seconds: float,
+    planner: TwoStepCapacityPlanner,
 ) -> torch.Tensor:
     if policy == "no_spec":
         return torch.zeros_like(max_lens)
@@ -165,6 +170,8 @@ def _policy_lens(
         )
     if policy == "scheduled":
         return fill_capacity(survivals, capacity(), max_lens=max_lens)
+    if policy == "early_stop":
+        return planner.verify_lens(survivals, max_lens, context_tokens=context)
     raise SimulationError(f"unknown policy {policy!r}; expected one of {POLICIES}")
 
 
@@ -188,7 +195,8 @@ def simulate(
         raise SimulationError(f"trace gamma {source.gamma} != simulator gamma {settings.gamma}")
     gamma = settings.gamma
     requests = _Requests(concurrency, source, settings)
-    planner = TwoStepCapacityPlanner(target, gamma, lag=settings.lag)
+    planner = (EarlyStopPlanner(target, gamma, seed=settings.seed) if policy == "early_stop"
+               else TwoStepCapacityPlanner(target, gamma, lag=settings.lag))
     draft_width = {"no_spec": 0, "static_1": 1}.get(policy, gamma)
     target_finished = max(settings.min_requests, round(concurrency * settings.requests_per_slot))
     now = 0.0
@@ -198,7 +206,7 @@ def simulate(
         context = int(requests.context.sum())
         max_lens = (requests.remaining - 1).clamp(0, gamma)
         capacity = 0
-        if policy == "scheduled":
+        if policy in PLANNED:
             width_costs = [_drafter_seconds(drafter, w, concurrency, context) for w in range(gamma + 1)]
             decision = planner.decide(
                 requests.ids, context_tokens=context, draft_seconds=width_costs, max_lens=max_lens
@@ -214,9 +222,9 @@ def simulate(
             logits = logits + torch.as_tensor(biases, dtype=logits.dtype)
         survivals = survivals_from_confidences(logits)
         lens = _policy_lens(
-            policy, survivals, max_lens, lambda: capacity, target, context, draft_seconds
+            policy, survivals, max_lens, lambda: capacity, target, context, draft_seconds, planner
         )
-        if policy == "scheduled" and draft_width > 0:
+        if policy in PLANNED and draft_width > 0:
             planner.publish(requests.ids, survivals, draft_width)
         committed = torch.minimum(torch.minimum(lens, natural) + 1, requests.remaining)
         step_seconds = target.predict(StepShape(concurrency, concurrency + int(lens.sum()), context))
