@@ -69,7 +69,14 @@ def run_wave(url: str, texts: list[str], max_new_tokens: int) -> dict:
 
 
 def _median_cells(waves: list[dict]) -> dict:
-    return {key: statistics.median(w[key] for w in waves) for key in waves[0]} | {"repeats": len(waves)}
+    return ({key: statistics.median(w[key] for w in waves) for key in waves[0]}
+            | {"repeats": len(waves), "waves_tok_s": [w["aggregate_tok_s"] for w in waves]})
+
+
+def waves_per_cell(concurrency: int, repeats: int, min_requests: int) -> int:
+    """At least `repeats` waves and `min_requests` requests per cell: a cell of concurrency 1 with
+    3 waves rests on 3 requests, too few for a 10 % effect on a machine that drifts 30 %."""
+    return max(repeats, -(-min_requests // concurrency))
 
 
 ARMS = {
@@ -94,7 +101,7 @@ def arm_launch(arm: str, target: str, drafter_path: str | None, port: int, devic
 
 
 def bench_arms(launches: dict[str, ServerLaunch], prompts: list[str], concurrency: list[int], repeats: int,
-               max_new_tokens: int, log_dir: Path) -> dict:
+               max_new_tokens: int, log_dir: Path, min_requests: int = 1) -> dict:
     """All arms' servers up at once; for each concurrency and repeat, one wave per arm in turn.
 
     Interleaving the arms' waves puts them minutes apart instead of a whole arm apart, so slow
@@ -106,7 +113,7 @@ def bench_arms(launches: dict[str, ServerLaunch], prompts: list[str], concurrenc
         for c in concurrency:
             seen = {arm: _line_count(_step_log(launch)) for arm, launch in launches.items()}
             waves: dict[str, list[dict]] = {arm: [] for arm in launches}
-            for r in range(repeats):
+            for r in range(waves_per_cell(c, repeats, min_requests)):
                 texts = [prompts[(r * c + i) % len(prompts)] for i in range(c)]
                 for arm, launch in launches.items():
                     waves[arm].append(run_wave(launch.url, texts, max_new_tokens))
@@ -169,11 +176,20 @@ def verify_cost(launch: ServerLaunch, model_path: str, contexts: list[int], log_
 
 def speedups(arms: dict) -> dict:
     """Aggregate tokens/s ratios per concurrency: `speedup` (dspark / plain), `nodraft_speedup`
-    (nodraft / plain) and `speculation_speedup` (dspark / nodraft), for the arms that ran."""
+    (nodraft / plain) and `speculation_speedup` (dspark / nodraft), for the arms that ran, as
+    ratios of the cells' medians; and each as `<name>_paired`, the median of the ratios of the
+    two arms' waves of the same repeat (seconds apart, so the machine's drift cancels)."""
     pairs = {"speedup": ("dspark", "plain"), "nodraft_speedup": ("nodraft", "plain"),
              "speculation_speedup": ("dspark", "nodraft")}
-    return {name: {c: arms[top][c]["aggregate_tok_s"] / arms[bottom][c]["aggregate_tok_s"] for c in arms[bottom]}
-            for name, (top, bottom) in pairs.items() if top in arms and bottom in arms}
+    report = {}
+    for name, (top, bottom) in pairs.items():
+        if top not in arms or bottom not in arms:
+            continue
+        report[name] = {c: arms[top][c]["aggregate_tok_s"] / arms[bottom][c]["aggregate_tok_s"] for c in arms[bottom]}
+        report[f"{name}_paired"] = {
+            c: statistics.median(a / b for a, b in zip(arms[top][c]["waves_tok_s"], arms[bottom][c]["waves_tok_s"]))
+            for c in arms[bottom] if "waves_tok_s" in arms[bottom][c]}
+    return report
 
 
 def plot(report: dict, path: Path) -> None:
@@ -200,6 +216,7 @@ def bench_serve_command(
     drafter: str = typer.Option(None, "--drafter", help="Drafter folder (default: the shipped one)."),
     concurrency: str = typer.Option("1,4,16", help="Comma-separated concurrency levels."),
     repeats: int = typer.Option(3, min=1, help="Waves per cell (the median is reported)."),
+    min_requests: int = typer.Option(12, min=1, help="More waves where a cell would hold fewer requests than this."),
     max_new_tokens: int = typer.Option(128, min=1, help="Output tokens per request."),
     prompts_per_domain: int = typer.Option(6, min=1, help="Eval prompts taken from each domain."),
     dtype: str = typer.Option("float32", help="Same dtype for both arms."),
@@ -230,12 +247,13 @@ def bench_serve_command(
         texts = chat_texts(target, [p for group in zip(*by_domain.values()) for p in group])
     log_dir = Path(tempfile.mkdtemp(prefix="dspark-bench-serve-"))
     report = {"config": {"model_path": target, "drafter": drafter_path, "dtype": dtype, "device": device,
-                         "max_new_tokens": max_new_tokens, "repeats": repeats, "prompts": len(texts),
+                         "max_new_tokens": max_new_tokens, "repeats": repeats, "min_requests": min_requests,
+                         "prompts": len(texts),
                          "logs": str(log_dir), "arms": {arm: ARMS[arm] for arm in wanted}}, "arms": {}}
     if wanted:
         launches = {arm: arm_launch(arm, target, drafter_path, port + i, device, dtype, log_dir)
                     for i, arm in enumerate(wanted)}
-        report["arms"] = bench_arms(launches, texts, levels, repeats, max_new_tokens, log_dir)
+        report["arms"] = bench_arms(launches, texts, levels, repeats, max_new_tokens, log_dir, min_requests)
     report.update(speedups(report["arms"]))
     failed = False
     if verify_cost_contexts:

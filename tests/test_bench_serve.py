@@ -77,6 +77,21 @@ def test_speedups_separate_the_verify_path_from_the_speculation():
     assert speedups({"plain": arms["plain"]}) == {}
 
 
+def test_paired_speedups_cancel_a_drift_that_the_ratio_of_medians_does_not():
+    """The machine slows down 2x halfway; dspark is 10 % faster than plain in every repeat."""
+    from dspark_ctl.bench_serve import speedups, waves_per_cell
+
+    plain_waves = [20.0, 20.0, 10.0, 10.0, 10.0]
+    dspark_waves = [22.0, 22.0, 11.0, 11.0, 11.0]
+    arms = {name: {"1": {"aggregate_tok_s": sorted(waves)[2], "waves_tok_s": waves}}
+            for name, waves in (("plain", plain_waves), ("dspark", dspark_waves))}
+    arms["plain"]["1"]["aggregate_tok_s"] = 20.0  # a median that happened to fall before the drift
+    ratios = speedups(arms)
+    assert ratios["speedup_paired"]["1"] == pytest.approx(1.1)
+    assert ratios["speedup"]["1"] == pytest.approx(0.55)
+    assert [waves_per_cell(c, 3, 12) for c in (1, 4, 16)] == [12, 3, 3]
+
+
 def test_the_nodraft_arm_is_the_worker_without_drafts(tmp_path):
     from dspark_ctl.bench_serve import arm_launch
 
