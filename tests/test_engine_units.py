@@ -296,14 +296,32 @@ def test_the_planner_rescales_its_table_to_the_steps_it_measures(tmp_path, monke
     assert sum(drafted[-100:]) <= 100 // EXPLORE_EVERY + 1, "against the measured steps it does not"
 
 
-def test_the_time_scale_ignores_steps_without_a_prediction_and_stays_bounded():
-    from sglang_dspark.scheduling.cost_model import uninitialised_cost_model
+def test_the_table_scales_ignore_steps_without_a_shape_and_stay_bounded():
+    from sglang_dspark.scheduling.cost_model import StepShape, uninitialised_cost_model
     from sglang_dspark.scheduling.planner import TwoStepCapacityPlanner
 
     planner = TwoStepCapacityPlanner(uninitialised_cost_model(), gamma=3)
     planner.observe(None, 1.0)
-    planner.observe(0.0, 1.0)
-    assert planner.time_scale == 1.0
+    planner.observe(StepShape(1, 1, 10), 0.0)
+    assert (planner.step_scale, planner.token_scale) == (1.0, 1.0)
     for _ in range(1000):
-        planner.observe(1.0, 100.0)
-    assert planner.time_scale == pytest.approx(4.0)
+        planner.observe(StepShape(1, 1, 10), 100.0)  # the flat table predicts 1 s
+    assert planner.step_scale == pytest.approx(4.0) and planner.token_scale == pytest.approx(4.0)
+
+
+def test_the_planner_learns_what_a_verify_token_costs_apart_from_the_step():
+    """Steps at the table's one-token speed whose drafts cost twice what the table says."""
+    from sglang_dspark.scheduling.cost_model import StepShape
+    from sglang_dspark.scheduling.planner import TwoStepCapacityPlanner
+    from tests.test_scheduling_planner import affine
+
+    table = affine(0.05, 0.002)
+    planner = TwoStepCapacityPlanner(table, gamma=7)
+    for step in range(400):
+        shape = StepShape(2, 2 + step % 8, 100)
+        one = table.predict(StepShape(2, 2, 100))
+        planner.observe(shape, one + 2.0 * (table.predict(shape) - one))
+    assert planner.step_scale == pytest.approx(1.0, rel=0.02)
+    assert planner.token_scale == pytest.approx(2.0, rel=0.02)
+    seven, one = StepShape(2, 9, 100), table.predict(StepShape(2, 2, 100))
+    assert planner.cost_model.predict(seven) == pytest.approx(one + 2 * (table.predict(seven) - one), rel=0.02)

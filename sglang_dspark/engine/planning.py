@@ -24,11 +24,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from sglang_dspark.engine.settings import LiveSettings
+
+if TYPE_CHECKING:
+    from sglang_dspark.scheduling.cost_model import StepShape
 
 EXPLORE_EVERY = 16
 """After this many steps without drafting, the next step drafts anyway (about 1 % extra cost)."""
@@ -98,6 +102,7 @@ class Plan:
     predicted_seconds: float | None
     confidence_logits: torch.Tensor | None
     survivals: torch.Tensor | None
+    step_shape: StepShape | None = None  # what was predicted (production planner only)
 
 
 class VerifyPlanner:
@@ -191,16 +196,18 @@ class VerifyPlanner:
         width = min(width, decision.draft_width)
         verify_lens = self.capacity_planner.verify_lens(survivals, width, float(context_lens.sum()))
         self.capacity_planner.publish(request_ids, survivals, width)
-        return Plan(verify_lens=verify_lens, capacity=decision.capacity,
-                    predicted_seconds=self._predict(batch, int(verify_lens.sum()), context_lens),
-                    confidence_logits=confidence_logits[:, :width], survivals=survivals[:, :width])
+        shape = self._shape(batch, int(verify_lens.sum()), context_lens)
+        return Plan(verify_lens=verify_lens, capacity=decision.capacity, predicted_seconds=self._predict(shape),
+                    confidence_logits=confidence_logits[:, :width], survivals=survivals[:, :width],
+                    step_shape=shape)
 
     def skipped(self, request_ids: list, context_lens: torch.Tensor) -> Plan:
         """The plan of a step that did not draft: every request verifies only its bonus token."""
         batch = len(request_ids)
+        shape = self._shape(batch, 0, context_lens)
         return Plan(verify_lens=torch.zeros(batch, dtype=torch.long), capacity=0,
-                    predicted_seconds=self._predict(batch, 0, context_lens), confidence_logits=None,
-                    survivals=None)
+                    predicted_seconds=self._predict(shape), confidence_logits=None, survivals=None,
+                    step_shape=shape)
 
     def _next_static_drafts(self) -> int:
         """Drafts per request for all/fixed/sweep; advances the sweep, so call it once per step."""
@@ -211,15 +218,16 @@ class VerifyPlanner:
 
     def observe(self, plan: Plan, target_seconds: float) -> None:
         """A finished step's seconds after drafting (verify forward, acceptance, bookkeeping: what
-        the table was fitted on) against the plan's prediction: the production planner rescales
-        its table from them."""
+        the table was fitted on): the production planner rescales its table to them."""
         if self.capacity_planner is not None:
-            self.capacity_planner.observe(plan.predicted_seconds, target_seconds)
+            self.capacity_planner.observe(plan.step_shape, target_seconds)
 
-    def _predict(self, batch: int, drafts: int, context_lens: torch.Tensor) -> float | None:
+    def _shape(self, batch: int, drafts: int, context_lens: torch.Tensor) -> StepShape | None:
         if self.capacity_planner is None:
             return None
         from sglang_dspark.scheduling.cost_model import StepShape
 
-        shape = StepShape(num_requests=batch, batch_tokens=batch + drafts, context_tokens=int(context_lens.sum()))
-        return self.capacity_planner.cost_model.predict(shape)
+        return StepShape(num_requests=batch, batch_tokens=batch + drafts, context_tokens=int(context_lens.sum()))
+
+    def _predict(self, shape: StepShape | None) -> float | None:
+        return None if shape is None else self.capacity_planner.cost_model.predict(shape)

@@ -302,31 +302,38 @@ _KINDS: dict[str, type[CostModel]] = {
 
 
 class ScaledCostModel(CostModel):
-    """`base` times `scale`: the table in force, corrected for how fast the machine runs now.
+    """`base` with its one-token step times `step_scale` and what tokens beyond it add times
+    `token_scale`: the table in force, corrected for how fast the machine runs now.
 
-    A live planner learns the factor from its own steps (`TwoStepCapacityPlanner.observe`): the
-    shape of a profiled table (what one more draft costs relative to a step) holds for hours, its
-    absolute seconds do not on a shared VM (this project's drifted by up to 25 % between waves),
-    and the drafter's cost is measured live, so an unscaled table mis-weighs drafts against
-    verification. Not a file format: the table on disk stays the profiled one."""
+    A live planner learns both factors from its own steps (`TwoStepCapacityPlanner.observe`):
+    a profiled table's absolute seconds do not hold for hours on a shared VM (this project's
+    one-token step moved between 62 and 93 ms from minute to minute), nor does its ratio of a
+    verify token to a step (2-3 tokens at batch 1 cost 1.3x a step, the table said 1.2x), and
+    the drafter's cost, weighed against them, is measured live. Not a file format: the table on
+    disk stays the profiled one."""
 
     kind = "scaled"
 
-    def __init__(self, base: CostModel, scale: float) -> None:
-        self.base, self.scale, self.metadata = base, float(scale), base.metadata
+    def __init__(self, base: CostModel, step_scale: float, token_scale: float) -> None:
+        self.base, self.metadata = base, base.metadata
+        self.step_scale, self.token_scale = float(step_scale), float(token_scale)
 
     def seconds_curve(
         self, num_requests: int, batch_tokens: np.ndarray, context_tokens: float = 0.0
     ) -> np.ndarray:
-        return self.base.seconds_curve(num_requests, batch_tokens, context_tokens) * self.scale
+        curve = self.base.seconds_curve(num_requests, batch_tokens, context_tokens)
+        step = self.base.seconds_curve(num_requests, np.array([float(num_requests)]), context_tokens)[0]
+        return self.step_scale * step + self.token_scale * (curve - step)
 
     def _params(self) -> dict[str, Any]:
-        return {"base": self.base.to_json(), "scale": self.scale}
+        return {"base": self.base.to_json(), "step_scale": self.step_scale, "token_scale": self.token_scale}
 
     def _problems(self) -> list[str]:
         problems = self.base._problems()
-        if not (math.isfinite(self.scale) and self.scale > 0):
-            problems.append(f"scale must be a positive number, got {self.scale}")
+        for name in ("step_scale", "token_scale"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                problems.append(f"{name} must be a positive number, got {value}")
         return problems
 
 

@@ -34,7 +34,7 @@ from typing import Hashable, Sequence
 import numpy as np
 import torch
 
-from sglang_dspark.scheduling.cost_model import CostModel, CostModelSlot, ScaledCostModel, StepCostTable
+from sglang_dspark.scheduling.cost_model import CostModel, CostModelSlot, ScaledCostModel, StepCostTable, StepShape
 
 DEFAULT_SURVIVAL_EPS = 1e-6
 
@@ -323,7 +323,7 @@ class _Snapshot:
     survivals: np.ndarray
 
 
-MAX_LOG_SCALE = math.log(4.0)
+MAX_SCALE = 4.0
 
 
 class TwoStepCapacityPlanner:
@@ -374,8 +374,10 @@ class TwoStepCapacityPlanner:
         self._mean_tokens: float | None = None  # running means of the chosen steps
         self._mean_seconds: float | None = None
         self._decisions = 0
-        self.time_scale = 1.0
         self.scale_decay = scale_decay
+        self.step_scale, self.token_scale = 1.0, 1.0
+        # exponentially forgotten sums for measured ~ a * step + b * extra (least squares)
+        self._scale_sums = np.zeros(5)  # step^2, step*extra, extra^2, step*measured, extra*measured
 
     @property
     def cost_slot(self) -> CostModelSlot:
@@ -384,21 +386,37 @@ class TwoStepCapacityPlanner:
 
     @property
     def cost_model(self) -> CostModel:
-        """The table in force times the time scale learnt from the live steps (`observe`)."""
+        """The table in force, its one-token step and its extra tokens each rescaled to what the
+        live steps measured (`observe`)."""
         model = self._slot.model
-        return model if self.time_scale == 1.0 else ScaledCostModel(model, self.time_scale)
+        if self.step_scale == 1.0 and self.token_scale == 1.0:
+            return model
+        return ScaledCostModel(model, self.step_scale, self.token_scale)
 
-    def observe(self, predicted_seconds: float | None, measured_seconds: float) -> None:
-        """A finished step's target seconds as `cost_model` predicted them and as measured: moves
-        the time scale towards their ratio (a running mean in log space, within [1/4, 4], so one
-        stalled step cannot turn speculation off)."""
-        if not predicted_seconds or not (predicted_seconds > 0 and measured_seconds > 0):
+    def observe(self, step: StepShape | None, measured_seconds: float) -> None:
+        """A finished step's shape and measured target seconds: refits measured ~ a * T(B) +
+        b * (T(B + n) - T(B)) on the table in force, over recent steps (least squares with
+        exponential forgetting), a and b each within [1/4, 4] so that no burst of stalled steps
+        turns speculation off. While too few steps verified drafts, b follows a."""
+        if step is None or not (measured_seconds > 0 and math.isfinite(measured_seconds)):
             return
-        if not (math.isfinite(predicted_seconds) and math.isfinite(measured_seconds)):
+        model = self._slot.model
+        tokens = np.array([float(step.num_requests), float(step.batch_tokens)])
+        one, full = model.seconds_curve(step.num_requests, tokens, float(step.context_tokens))
+        if not (one > 0 and full >= one):
             return
-        step = self.scale_decay * math.log(measured_seconds / predicted_seconds)
-        log_scale = min(max(math.log(self.time_scale) + step, -MAX_LOG_SCALE), MAX_LOG_SCALE)
-        self.time_scale = math.exp(log_scale)
+        extra = full - one
+        features = np.array([one * one, one * extra, extra * extra, one * measured_seconds, extra * measured_seconds])
+        self._scale_sums += self.scale_decay * (features - self._scale_sums)
+        a2, ab, b2, am, bm = self._scale_sums
+        step_scale = am / a2
+        determinant = a2 * b2 - ab * ab
+        token_scale = step_scale
+        if b2 > 0 and determinant > 1e-3 * a2 * b2:  # the two directions are told apart
+            step_scale = (b2 * am - ab * bm) / determinant
+            token_scale = (a2 * bm - ab * am) / determinant
+        self.step_scale = min(max(step_scale, 1 / MAX_SCALE), MAX_SCALE)
+        self.token_scale = min(max(token_scale, 1 / MAX_SCALE), MAX_SCALE)
 
     def prior_survival(self) -> torch.Tensor:
         """The survival curve assumed for a request nothing is known about."""
