@@ -6,7 +6,7 @@ process, with a clear error for a bad value:
 | variable | default | meaning |
 |---|---|---|
 | `DSPARK_GAMMA` | checkpoint `block_size` | drafts per block (1..block_size) |
-| `DSPARK_PLANNER` | `production` if an SPS table is found, else `all` | `all`: verify every draft; `production`: capacity from survivals two steps back + global top-K fill, drafter skipped on steps where it cannot pay; `fixed:N`: verify N drafts per request; `sweep`: a measurement mode for `dspark-ctl bench sps-serve` (step s verifies s mod (gamma+1) drafts per request) |
+| `DSPARK_PLANNER` | `production` if an SPS table is found, else `all` | `all`: verify every draft; `production`: the draft width worth its measured cost, then early-stop verification in survival order (`scheduling.EarlyStopPlanner`), drafter skipped on steps where it cannot pay; `fixed:N`: verify N drafts per request; `sweep`: a measurement mode for `dspark-ctl bench sps-serve` (step s verifies s mod (gamma+1) drafts per request) |
 | `DSPARK_SPS_PATH` | `<draft>/sps.json` if present | cost model JSON (`scheduling.load_cost_model`) |
 | `DSPARK_STS_PATH` | `<draft>/sts.json` if present | STS temperatures JSON (`calibration.StsCalibration`) |
 | `DSPARK_STS_GREEDY_PATH` | `<draft>/sts-greedy.json` if present | STS calibration for greedy requests (a greedy draft survives by argmax match, a different event from sampled acceptance, so one calibration does not fit both); without it greedy requests use `DSPARK_STS_PATH` |

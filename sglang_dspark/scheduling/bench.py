@@ -9,19 +9,14 @@ from typing import Any
 
 import torch
 
-from sglang_dspark.scheduling.cost_model import load_cost_model
-from sglang_dspark.scheduling.planner import (
-    TwoStepCapacityPlanner,
-    fill_capacity,
-    plan_algorithm1,
-    survivals_from_confidences,
-)
+from sglang_dspark.scheduling.cost_model import StepShape, load_cost_model
+from sglang_dspark.scheduling.planner import EarlyStopPlanner, plan_algorithm1, survivals_from_confidences
 
 
 def plan_speed(cost_model_path: Path, batch: int, gamma: int, iterations: int, seed: int = 0) -> dict[str, Any]:
     """Median wall time (and thread CPU time: on a shared machine wall time includes waiting for
     a core) of each planner call at (batch, gamma), with the measured CPU table. `scheduled_step`
-    is the worker's whole per-step planner work: decide + fill + publish."""
+    is the worker's whole per-step planner work: decide + verify lengths + publish + observe."""
     model = load_cost_model(cost_model_path)
     generator = torch.Generator().manual_seed(seed)
     survivals = [
@@ -29,7 +24,7 @@ def plan_speed(cost_model_path: Path, batch: int, gamma: int, iterations: int, s
         for _ in range(8)
     ]
     ids = list(range(batch))
-    planner = TwoStepCapacityPlanner(model, gamma)
+    planner = EarlyStopPlanner(model, gamma)
     for s in survivals[:4]:
         planner.publish(ids, s)
     draft_costs = [0.0] + [0.01 * w for w in range(1, gamma + 1)]
@@ -39,8 +34,10 @@ def plan_speed(cost_model_path: Path, batch: int, gamma: int, iterations: int, s
 
     def production(i: int) -> None:
         decision = planner.decide(ids, context_tokens=batch * 512.0, draft_seconds=draft_costs)
-        fill_capacity(survivals[i % 8], decision.capacity, max_lens=decision.draft_width)
-        planner.publish(ids, survivals[i % 8], max(decision.draft_width, 1))
+        width = max(decision.draft_width, 1)
+        lens = planner.verify_lens(survivals[i % 8], width, context_tokens=batch * 512.0)
+        planner.publish(ids, survivals[i % 8], width)
+        planner.observe(StepShape(batch, batch + int(lens.sum()), batch * 512), 0.1)
 
     report: dict[str, Any] = {"batch": batch, "gamma": gamma, "iterations": iterations,
                               "torch_threads": torch.get_num_threads()}
