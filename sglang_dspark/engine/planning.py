@@ -155,7 +155,7 @@ class VerifyPlanner:
         return torch.cumprod(torch.sigmoid(confidence_logits.to(torch.float32)), dim=-1)
 
     def decide(self, request_ids: list, context_lens: torch.Tensor) -> StepDecision:
-        """Whether this step drafts and its capacity, from information at least two steps old."""
+        """How many block slots this step drafts (0: none), decided before the drafter runs."""
         if self.settings.planner == "fixed":  # draft what is verified (0: skip the drafter)
             return StepDecision(draft_width=min(self.settings.fixed_drafts, self.gamma), capacity=None)
         if self.settings.planner != "production":
@@ -184,7 +184,7 @@ class VerifyPlanner:
         confidence_logits = confidence_logits[:, : self.gamma].float().cpu()
         width = confidence_logits.shape[1]
         # survivals are prefix products: slots past the drafted width (padding here) change none
-        # of the first `width`, and neither fill_capacity (max_lens) nor publish reads them
+        # of the first `width`, and neither the verify lengths (max_lens) nor publish read them
         padded = torch.nn.functional.pad(confidence_logits, (0, self.gamma - width))
         survivals = self.survivals(padded, greedy)
         if self.settings.planner != "production":
