@@ -325,3 +325,13 @@ def test_the_planner_learns_what_a_verify_token_costs_apart_from_the_step():
     assert planner.token_scale == pytest.approx(2.0, rel=0.02)
     seven, one = StepShape(2, 9, 100), table.predict(StepShape(2, 2, 100))
     assert planner.cost_model.predict(seven) == pytest.approx(one + 2 * (table.predict(seven) - one), rel=0.02)
+
+
+def test_verify_logits_are_padded_per_request_and_equal_windows_are_not_copied():
+    from sglang_dspark.engine.worker import _pad_rows
+
+    packed = torch.arange(12.0).reshape(6, 2)
+    ragged = _pad_rows(packed, torch.tensor([1, 3, 2]))
+    assert ragged.tolist() == [[[0, 1], [0, 0], [0, 0]], [[2, 3], [4, 5], [6, 7]], [[8, 9], [10, 11], [0, 0]]]
+    equal = _pad_rows(packed, torch.tensor([3, 3]))
+    assert equal.shape == (2, 3, 2) and equal.data_ptr() == packed.data_ptr()

@@ -365,6 +365,8 @@ def _empty_block(batch_size: int, vocab_size: int, sampled: bool) -> DraftBlock:
 def _pad_rows(packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """`[sum(lengths), V]` -> `[B, max(lengths), V]` (rows past a request's length are zeros)."""
     width = int(lengths.max())
+    if int(lengths.min()) == width:  # equal windows (always at batch 1): a view, no copy
+        return packed.view(len(lengths), width, packed.shape[-1])
     out = packed.new_zeros((len(lengths), width, packed.shape[-1]))
     start = 0
     for b, length in enumerate(lengths.tolist()):
