@@ -321,8 +321,10 @@ class ScaledCostModel(CostModel):
     def seconds_curve(
         self, num_requests: int, batch_tokens: np.ndarray, context_tokens: float = 0.0
     ) -> np.ndarray:
-        curve = self.base.seconds_curve(num_requests, batch_tokens, context_tokens)
-        step = self.base.seconds_curve(num_requests, np.array([float(num_requests)]), context_tokens)[0]
+        # one call to the table for the curve and its one-token step (this runs on every decode step)
+        points = np.append(np.asarray(batch_tokens, dtype=np.float64), float(num_requests))
+        values = self.base.seconds_curve(num_requests, points, context_tokens)
+        curve, step = values[:-1], values[-1]
         return self.step_scale * step + self.token_scale * (curve - step)
 
     def _params(self) -> dict[str, Any]:
