@@ -88,14 +88,40 @@ ARMS = {
 SGLang from what the drafts gain: `dspark / nodraft` is the speculation's own share."""
 
 
+def arm_base(arm: str) -> str:
+    """`dspark.column` is a variant of `dspark` (its own server, its own `--arm-env`)."""
+    return arm.split(".", 1)[0]
+
+
+def parse_arms(arms: str) -> list[str]:
+    wanted = [a.strip() for a in arms.split(",") if a.strip()]
+    if any(arm_base(a) not in ARMS or a.endswith(".") for a in wanted) or len(set(wanted)) != len(wanted):
+        raise typer.BadParameter(f"--arms {arms!r}: expected distinct names from {', '.join(ARMS)}, "
+                                 "each optionally with a variant label (e.g. dspark.column)")
+    return wanted
+
+
+def parse_arm_env(pairs: list[str], arms: list[str]) -> dict[str, dict[str, str]]:
+    """`ARM:KEY=VALUE` options into each arm's extra environment."""
+    env: dict[str, dict[str, str]] = {arm: {} for arm in arms}
+    for pair in pairs:
+        arm, sep, assignment = pair.partition(":")
+        key, equals, value = assignment.partition("=")
+        if not sep or not equals or not key or arm not in env:
+            raise typer.BadParameter(f"--arm-env {pair!r}: expected ARM:KEY=VALUE with ARM one of {', '.join(arms)}")
+        env[arm][key] = value
+    return env
+
+
 def arm_launch(arm: str, target: str, drafter_path: str | None, port: int, device: str, dtype: str,
-               log_dir: Path) -> ServerLaunch:
+               log_dir: Path, extra_env: dict[str, str] | None = None) -> ServerLaunch:
     """The server of one arm; the DSPARK_LIVE arms log every step to `<log_dir>/<arm>-steps.jsonl`."""
-    if arm == "plain":
-        return ServerLaunch(model_path=target, port=port, device=device, dtype=dtype)
+    if arm_base(arm) == "plain":
+        return ServerLaunch(model_path=target, port=port, device=device, dtype=dtype, extra_env=dict(extra_env or {}))
     env = {"DSPARK_STEP_LOG": str(log_dir / f"{arm}-steps.jsonl")}
-    if arm == "nodraft":
+    if arm_base(arm) == "nodraft":
         env["DSPARK_PLANNER"] = "fixed:0"
+    env.update(extra_env or {})
     return ServerLaunch(model_path=target, port=port, device=device, dtype=dtype, drafter_path=drafter_path,
                         extra_env=env)
 
@@ -178,9 +204,11 @@ def speedups(arms: dict) -> dict:
     """Aggregate tokens/s ratios per concurrency: `speedup` (dspark / plain), `nodraft_speedup`
     (nodraft / plain) and `speculation_speedup` (dspark / nodraft), for the arms that ran, as
     ratios of the cells' medians; and each as `<name>_paired`, the median of the ratios of the
-    two arms' waves of the same repeat (seconds apart, so the machine's drift cancels)."""
+    two arms' waves of the same repeat (seconds apart, so the machine's drift cancels). A variant
+    arm (`dspark.column`) gets `<variant>_vs_<base>` against its base arm."""
     pairs = {"speedup": ("dspark", "plain"), "nodraft_speedup": ("nodraft", "plain"),
              "speculation_speedup": ("dspark", "nodraft")}
+    pairs.update({f"{arm}_vs_{arm_base(arm)}": (arm, arm_base(arm)) for arm in arms if arm != arm_base(arm)})
     report = {}
     for name, (top, bottom) in pairs.items():
         if top not in arms or bottom not in arms:
@@ -223,7 +251,11 @@ def bench_serve_command(
     device: str = typer.Option("cpu", help="cpu or cuda."),
     port: int = typer.Option(30100, help="Port of the server under test."),
     arms: str = typer.Option("plain,nodraft,dspark",
-                             help="Arms to run side by side (plain, nodraft, dspark; empty: only --verify-cost)."),
+                             help="Arms to run side by side (plain, nodraft, dspark, or a variant such as "
+                                  "dspark.column; empty: only --verify-cost)."),
+    arm_env: list[str] = typer.Option([], "--arm-env",
+                                      help="ARM:KEY=VALUE, an environment variable for one arm's server "
+                                           "(repeatable), e.g. dspark.column:DSPARK_CPU_GEMM_LAYOUT=column."),
     verify_cost_contexts: str = typer.Option("", "--verify-cost", help="e.g. 200,2000: also time the verify step."),
     as_json: bool = typer.Option(True, "--json/--no-json", help="Print the report as JSON."),
     plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of throughput vs concurrency."),
@@ -234,10 +266,9 @@ def bench_serve_command(
     Their servers run side by side (ports --port, --port+1, ...) and take turns wave by wave."""
     target = model_path or prepared_target_path()
     drafter_path = drafter_or_shipped(drafter)
-    wanted = [a.strip() for a in arms.split(",") if a.strip()]
-    if any(a not in ARMS for a in wanted):
-        raise typer.BadParameter(f"--arms {arms!r}: expected a comma list of {', '.join(ARMS)}")
-    if (set(wanted) - {"plain"} or verify_cost_contexts) and drafter_path is None:
+    wanted = parse_arms(arms)
+    envs = parse_arm_env(arm_env, wanted)
+    if ({arm_base(a) for a in wanted} - {"plain"} or verify_cost_contexts) and drafter_path is None:
         typer.echo("error: no drafter given and none shipped; pass --drafter PATH or --arms plain", err=True)
         raise typer.Exit(code=2)
     levels = [int(c) for c in concurrency.split(",")]
@@ -249,9 +280,10 @@ def bench_serve_command(
     report = {"config": {"model_path": target, "drafter": drafter_path, "dtype": dtype, "device": device,
                          "max_new_tokens": max_new_tokens, "repeats": repeats, "min_requests": min_requests,
                          "prompts": len(texts),
-                         "logs": str(log_dir), "arms": {arm: ARMS[arm] for arm in wanted}}, "arms": {}}
+                         "logs": str(log_dir), "arms": {arm: ARMS[arm_base(arm)] for arm in wanted},
+                         "arm_env": {arm: env for arm, env in envs.items() if env}}, "arms": {}}
     if wanted:
-        launches = {arm: arm_launch(arm, target, drafter_path, port + i, device, dtype, log_dir)
+        launches = {arm: arm_launch(arm, target, drafter_path, port + i, device, dtype, log_dir, envs[arm])
                     for i, arm in enumerate(wanted)}
         report["arms"] = bench_arms(launches, texts, levels, repeats, max_new_tokens, log_dir, min_requests)
     report.update(speedups(report["arms"]))

@@ -109,3 +109,29 @@ def test_bench_serve_refuses_an_unknown_arm():
     result = CliRunner().invoke(app, ["bench", "serve", "--arms", "plain,eagle", "--model-path", "/nonexistent"],
                                env={"COLUMNS": "200"})
     assert result.exit_code == 2 and "plain, nodraft, dspark" in result.output
+
+
+def test_a_variant_arm_runs_its_base_with_its_own_environment_and_is_compared_to_it(tmp_path):
+    from dspark_ctl.bench_serve import arm_launch, parse_arm_env, parse_arms, speedups
+
+    arms = parse_arms("plain,dspark,dspark.column")
+    envs = parse_arm_env(["dspark.column:DSPARK_CPU_GEMM_LAYOUT=column"], arms)
+    variant = arm_launch("dspark.column", "/t", "/d", 30102, "cpu", "float32", tmp_path, envs["dspark.column"])
+    assert "DSPARK_LIVE" in variant.command() and variant.extra_env["DSPARK_CPU_GEMM_LAYOUT"] == "column"
+    assert variant.extra_env["DSPARK_STEP_LOG"].endswith("dspark.column-steps.jsonl") and not envs["dspark"]
+    cells = {arm: {"1": {"aggregate_tok_s": tok_s, "waves_tok_s": [tok_s]}}
+             for arm, tok_s in (("plain", 10.0), ("dspark", 12.0), ("dspark.column", 11.0))}
+    ratios = speedups(cells)
+    assert ratios["dspark.column_vs_dspark_paired"]["1"] == pytest.approx(11 / 12)
+    assert ratios["speedup"]["1"] == pytest.approx(1.2)
+
+
+@pytest.mark.parametrize("arms, arm_env", [("plain,plain", []), ("dspark.", []), ("eagle.x", []),
+                                           ("plain", ["dspark:A=1"]), ("plain", ["plain:A"])])
+def test_bad_arms_and_arm_environments_are_refused(arms, arm_env):
+    import typer
+
+    from dspark_ctl.bench_serve import parse_arm_env, parse_arms
+
+    with pytest.raises(typer.BadParameter):
+        parse_arm_env(arm_env, parse_arms(arms))

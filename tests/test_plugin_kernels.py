@@ -69,7 +69,14 @@ def test_plugin_installs_the_standin_and_registers_dspark_live_in_a_fresh_proces
 
 
 class UnquantizedLinearMethod:  # the name the re-layout keys on (SGLang's class is not imported here)
-    pass
+    calls = 0
+
+    def apply(self, layer, x, bias=None):
+        self.calls += 1
+        return F.linear(x, layer.weight, bias)
+
+    def embedding(self, layer, ids):
+        return F.embedding(ids, layer.weight)
 
 
 def _linear(out_features: int, in_features: int, dtype=torch.float32) -> torch.nn.Module:
@@ -105,7 +112,7 @@ def test_a_bad_gemm_layout_knob_is_refused(monkeypatch):
     from sglang_dspark.kernels_cpu.gemm_layout import gemm_layout_mode
 
     monkeypatch.setenv("DSPARK_CPU_GEMM_LAYOUT", "packed")
-    with pytest.raises(ValueError, match="expected one of auto, off"):
+    with pytest.raises(ValueError, match="expected one of auto, column, off"):
         gemm_layout_mode()
 
 
@@ -130,3 +137,60 @@ def test_a_column_major_drafter_drafts_the_same_blocks():
     assert row_major > 0 and relayout_linears(drafter) == row_major
     assert all(m.weight.t().is_contiguous() for m in linears) and relayout_linears(drafter) == 0
     torch.testing.assert_close(block(), before)
+
+
+def test_row_major_rows_are_those_measured_faster_by_the_margin():
+    from sglang_dspark.kernels_cpu.gemm_layout import row_major_rows
+
+    measured = {1: (1.0, 1.0), 2: (0.8, 1.0), 3: (0.9, 1.0), 4: (2.0, 1.0), 5: (0.97, 1.0)}
+    assert row_major_rows(lambda rows: measured.get(rows, (1.0, 1.0)), max_rows=6, margin=0.05) == {2, 3}
+
+
+def _hybrid_model() -> torch.nn.Module:
+    from sglang_dspark.kernels_cpu.gemm_layout import relayout_weights
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.qkv, model.down, model.lm_head = _linear(24, 8), _linear(8, 16), _linear(32, 8)  # lm_head also embeds
+    relayout_weights(model)
+    return model
+
+
+def test_row_major_copies_serve_the_rows_they_won_with_the_same_values():
+    """Two to three rows run on the row-major copy, others on the column-major weight as before;
+    the outputs equal the plain product, and a tied lm_head still embeds through its own method."""
+    from sglang_dspark.kernels_cpu.gemm_layout import RowCountLayouts, add_row_major_copies
+
+    model = _hybrid_model()
+    faster_row_major = lambda weight, rows: (0.5, 1.0) if rows in (2, 3) else (1.0, 1.0)  # noqa: E731
+    assert add_row_major_copies(model, timings=faster_row_major, available_bytes=2**30) == 3
+    for module in (model.qkv, model.down, model.lm_head):
+        method = module.quant_method
+        assert isinstance(method, RowCountLayouts) and method.row_major_rows == {2, 3}
+        assert method.row_major.is_contiguous() and module.weight.t().is_contiguous()
+        for rows in (1, 2, 3, 4, 7):
+            x = torch.randn(rows, module.weight.shape[1])
+            before = method.inner.calls
+            torch.testing.assert_close(method.apply(module, x), F.linear(x, module.weight))
+            assert method.inner.calls == before + (rows not in (2, 3))
+    ids = torch.tensor([1, 5])
+    torch.testing.assert_close(model.lm_head.quant_method.embedding(model.lm_head, ids), model.lm_head.weight[ids])
+    assert add_row_major_copies(model, timings=faster_row_major, available_bytes=2**30) == 0, "done once"
+
+
+def test_no_row_major_copies_when_they_would_not_fit_or_never_win():
+    from sglang_dspark.kernels_cpu.gemm_layout import add_row_major_copies
+
+    model = _hybrid_model()
+    faster_row_major = lambda weight, rows: (0.5, 1.0)  # noqa: E731
+    weights = sum(m.weight.numel() * 4 for m in (model.qkv, model.down, model.lm_head))
+    assert add_row_major_copies(model, timings=faster_row_major, available_bytes=4 * weights - 4) == 0
+    assert add_row_major_copies(model, timings=lambda weight, rows: (1.0, 1.0), available_bytes=2**30) == 0
+    assert all(type(m.quant_method).__name__ == "UnquantizedLinearMethod" for m in (model.qkv, model.down, model.lm_head))
+
+
+def test_measured_layouts_time_both_layouts_of_the_same_weight():
+    from sglang_dspark.kernels_cpu.gemm_layout import measure_layouts
+
+    row_seconds, column_seconds = measure_layouts(torch.randn(64, 32), rows=2, samples=3)
+    assert row_seconds > 0 and column_seconds > 0

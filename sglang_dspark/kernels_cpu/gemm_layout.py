@@ -12,22 +12,35 @@ without AMX, MKL), SmolLM2-135M's linears plus lm_head per forward:
 | row-major (SGLang) ms | 14.4 | 15.4 | 44.8 | 54.4 | 102.7 | 119.4 | 101.7 |
 | column-major ms | 14.9 | 19.2 | 19.5 | 22.2 | 32.1 | 56.2 | 96.4 |
 
+The same BLAS is faster row-major for 2-3 rows (a batch-1 verify of 1-2 drafts, or a decode
+batch of 2-3): all linears plus lm_head 31.9 / 33.1 ms row-major against 37.9 / 41.3 column-major,
+most of it in the lm_head. So by default (`auto`) each linear keeps a row-major copy as well,
+used for the row counts where it measured faster at load (`RowCountLayouts`): twice the float32
+linear weights in memory, skipped when that would take over a quarter of the available memory.
+
 This is a property of the engine, not of speculation: the plugin applies it in every CPU server
 it is loaded into, plain serving included, so that benchmarks compare like with like. The lm_head
 is included (a tied input embedding then gathers rows from strided storage: ~3 ms per 1,000
-prompt tokens). `DSPARK_CPU_GEMM_LAYOUT=off` keeps SGLang's layout.
+prompt tokens). `DSPARK_CPU_GEMM_LAYOUT=column` stores column-major only, `off` keeps SGLang's
+layout.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-MODES = ("auto", "off")
+MODES = ("auto", "column", "off")
+MAX_DISPATCH_ROWS = 8  # beyond this column-major won at every shape measured
+ROW_MAJOR_MARGIN = 0.05  # row-major must be this much faster to earn its copy
 LINEAR_METHOD = "UnquantizedLinearMethod"
 
 
@@ -47,21 +60,124 @@ def _eligible(weight) -> bool:
             and weight.device.type == "cpu" and not _column_major(weight))
 
 
+def _target_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Unquantized linears (not AMX-packed) and `model.lm_head`, each once."""
+    modules = [m for m in model.modules() if type(getattr(m, "quant_method", None)).__name__ == LINEAR_METHOD
+               and not getattr(m, "use_intel_amx_backend", False)]
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is not None and all(m is not lm_head for m in modules):
+        modules.append(lm_head)
+    return modules
+
+
 def relayout_weights(model: torch.nn.Module) -> int:
     """Store the float32 CPU weights of unquantized linears and of `model.lm_head` column-major.
 
     Same shapes and values; returns how many tensors were re-laid out. Other modules (input
     embeddings of an untied model, quantized or packed weights) are left alone."""
-    modules = [m for m in model.modules() if type(getattr(m, "quant_method", None)).__name__ == LINEAR_METHOD
-               and not getattr(m, "use_intel_amx_backend", False)]
-    lm_head = getattr(model, "lm_head", None)
-    if lm_head is not None:
-        modules.append(lm_head)
+    modules = _target_modules(model)
     count = 0
     for parameter in {id(p): p for p in (getattr(m, "weight", None) for m in modules) if _eligible(p)}.values():
         parameter.data = parameter.data.t().contiguous().t()
         count += 1
     return count
+
+
+class RowCountLayouts:
+    """A layer's quant method that multiplies `row_major_rows`-row inputs by a row-major copy.
+
+    Wraps SGLang's unquantized method (whose `apply` is `F.linear` on the column-major weight) and
+    forwards everything else to it (`embedding` of a tied lm_head, `create_weights`, ...). Its class
+    name is not one of SGLang's unquantized lm_head methods, so the logits processor calls `apply`
+    for the lm_head too. Both copies hold the same values."""
+
+    def __init__(self, inner, row_major: torch.Tensor, row_major_rows: frozenset[int]) -> None:
+        self.inner = inner
+        self.row_major = row_major
+        self.row_major_rows = row_major_rows
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.numel() // x.shape[-1] in self.row_major_rows:
+            return F.linear(x.to(self.row_major.dtype), self.row_major, bias)
+        return self.inner.apply(layer, x, bias)
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def _seconds_per_call(weight: torch.Tensor, x: torch.Tensor, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        F.linear(x, weight)
+    return (time.perf_counter() - start) / calls
+
+
+def measure_layouts(weight: torch.Tensor, rows: int, samples: int = 3) -> tuple[float, float]:
+    """Median seconds of `F.linear` with `rows` rows: (row-major, column-major), interleaved so
+    that load from other processes falls on both alike; ~1 ms of work per sample."""
+    row_major, column_major = weight.contiguous(), weight.t().contiguous().t()
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    calls = max(1, math.ceil(1e-3 / max(_seconds_per_call(column_major, x, 1), 1e-6)))
+    pairs = [(_seconds_per_call(row_major, x, calls), _seconds_per_call(column_major, x, calls))
+             for _ in range(samples)]
+    return sorted(p[0] for p in pairs)[samples // 2], sorted(p[1] for p in pairs)[samples // 2]
+
+
+def row_major_rows(timings: Callable[[int], tuple[float, float]], max_rows: int = MAX_DISPATCH_ROWS,
+                   margin: float = ROW_MAJOR_MARGIN) -> frozenset[int]:
+    """The row counts (1..max_rows) at which row-major ran at least `margin` faster."""
+    chosen = set()
+    for rows in range(1, max_rows + 1):
+        row_seconds, column_seconds = timings(rows)
+        if row_seconds < (1.0 - margin) * column_seconds:
+            chosen.add(rows)
+    return frozenset(chosen)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None elsewhere."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def add_row_major_copies(model: torch.nn.Module,
+                         timings: Callable[[torch.Tensor, int], tuple[float, float]] = measure_layouts,
+                         available_bytes: int | None = None) -> int:
+    """Give each column-major float32 linear (and lm_head) a `RowCountLayouts` method with a
+    row-major copy, for the row counts where its shape measured faster row-major (one measurement
+    per distinct shape). Returns how many layers got one; none when the copies would take more
+    than a quarter of `available_bytes` (default: the machine's available memory)."""
+    modules = [m for m in _target_modules(model)
+               if _column_major(getattr(m, "weight", torch.empty(0))) and m.weight.dtype == torch.float32
+               and m.weight.device.type == "cpu" and getattr(m, "quant_method", None) is not None
+               and not isinstance(m.quant_method, RowCountLayouts)]
+    rows_by_shape: dict[tuple[int, ...], frozenset[int]] = {}
+    for module in modules:
+        shape = tuple(module.weight.shape)
+        if shape not in rows_by_shape:
+            rows_by_shape[shape] = row_major_rows(lambda rows, w=module.weight: timings(w, rows))
+    chosen = [m for m in modules if rows_by_shape[tuple(m.weight.shape)]]
+    extra = sum(m.weight.numel() * m.weight.element_size() for m in {id(m.weight): m for m in chosen}.values())
+    available = available_memory_bytes() if available_bytes is None else available_bytes
+    if available is not None and extra > available // 4:
+        logger.info("sglang-dspark: no row-major copies (%.1f GB, over a quarter of the %.1f GB available)",
+                    extra / 2**30, available / 2**30)
+        return 0
+    copies: dict[int, torch.Tensor] = {}
+    for module in chosen:
+        row_major = copies.setdefault(id(module.weight), module.weight.detach().contiguous())
+        module.quant_method = RowCountLayouts(module.quant_method, row_major, rows_by_shape[tuple(module.weight.shape)])
+    logger.info("sglang-dspark: row-major rows by weight shape: %s",
+                {"x".join(map(str, shape)): sorted(rows) for shape, rows in rows_by_shape.items()})
+    return len(chosen)
 
 
 def relayout_linears(module: torch.nn.Module) -> int:
@@ -77,8 +193,14 @@ def relayout_linears(module: torch.nn.Module) -> int:
 
 def after_load_model(result, model_runner, *args, **kwargs):
     """AFTER hook on SGLang's `ModelRunner.load_model`: re-lay out the target on CPU."""
-    if gemm_layout_mode() == "off" or torch.device(model_runner.device).type != "cpu":
+    mode = gemm_layout_mode()
+    if mode == "off" or torch.device(model_runner.device).type != "cpu":
         return None
     count = relayout_weights(model_runner.model)
-    logger.info("sglang-dspark: %d float32 linear weights stored column-major (DSPARK_CPU_GEMM_LAYOUT=auto)", count)
+    logger.info("sglang-dspark: %d float32 linear weights stored column-major (DSPARK_CPU_GEMM_LAYOUT=%s)", count, mode)
+    if mode == "auto":
+        started = time.perf_counter()
+        copies = add_row_major_copies(model_runner.model)
+        logger.info("sglang-dspark: %d linears keep a row-major copy for the row counts where it is faster "
+                    "(measured in %.1f s)", copies, time.perf_counter() - started)
     return None
