@@ -42,9 +42,10 @@ def register() -> None:
         HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.validate_dllm_request",
                               validate_request_hook, HookType.AFTER)
         if cpu_engine_requested():
-            from sglang_dspark.kernels_cpu.gemm_layout import after_load_model, gemm_layout_mode
+            from sglang_dspark.kernels_cpu.gemm_layout import after_load_model, gemm_layout_mode, row_major_rows_setting
 
             gemm_layout_mode()  # a bad DSPARK_CPU_GEMM_LAYOUT fails at start, not after loading
+            row_major_rows_setting()
             HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model",
                                   after_load_model, HookType.AFTER)
 

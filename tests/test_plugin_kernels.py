@@ -139,11 +139,18 @@ def test_a_column_major_drafter_drafts_the_same_blocks():
     torch.testing.assert_close(block(), before)
 
 
-def test_row_major_rows_are_those_measured_faster_by_the_margin():
-    from sglang_dspark.kernels_cpu.gemm_layout import row_major_rows
+def test_the_row_major_row_counts_come_from_the_knob(monkeypatch):
+    from sglang_dspark.kernels_cpu.gemm_layout import row_major_rows_setting
 
-    measured = {1: (1.0, 1.0), 2: (0.8, 1.0), 3: (0.9, 1.0), 4: (2.0, 1.0), 5: (0.97, 1.0)}
-    assert row_major_rows(lambda rows: measured.get(rows, (1.0, 1.0)), max_rows=6, margin=0.05) == {2, 3}
+    assert row_major_rows_setting() == {2, 3}
+    monkeypatch.setenv("DSPARK_CPU_ROW_MAJOR_ROWS", " 1, 4 ")
+    assert row_major_rows_setting() == {1, 4}
+    monkeypatch.setenv("DSPARK_CPU_ROW_MAJOR_ROWS", "")
+    assert row_major_rows_setting() == frozenset()
+    for bad in ("two", "0,2", "2;3"):
+        monkeypatch.setenv("DSPARK_CPU_ROW_MAJOR_ROWS", bad)
+        with pytest.raises(ValueError, match="expected comma-separated row counts >= 1"):
+            row_major_rows_setting()
 
 
 def _hybrid_model() -> torch.nn.Module:
@@ -162,8 +169,7 @@ def test_row_major_copies_serve_the_rows_they_won_with_the_same_values():
     from sglang_dspark.kernels_cpu.gemm_layout import RowCountLayouts, add_row_major_copies
 
     model = _hybrid_model()
-    faster_row_major = lambda weight, rows: (0.5, 1.0) if rows in (2, 3) else (1.0, 1.0)  # noqa: E731
-    assert add_row_major_copies(model, timings=faster_row_major, available_bytes=2**30) == 3
+    assert add_row_major_copies(model, frozenset({2, 3}), available_bytes=2**30) == 3
     for module in (model.qkv, model.down, model.lm_head):
         method = module.quant_method
         assert isinstance(method, RowCountLayouts) and method.row_major_rows == {2, 3}
@@ -175,22 +181,14 @@ def test_row_major_copies_serve_the_rows_they_won_with_the_same_values():
             assert method.inner.calls == before + (rows not in (2, 3))
     ids = torch.tensor([1, 5])
     torch.testing.assert_close(model.lm_head.quant_method.embedding(model.lm_head, ids), model.lm_head.weight[ids])
-    assert add_row_major_copies(model, timings=faster_row_major, available_bytes=2**30) == 0, "done once"
+    assert add_row_major_copies(model, frozenset({2, 3}), available_bytes=2**30) == 0, "done once"
 
 
-def test_no_row_major_copies_when_they_would_not_fit_or_never_win():
+def test_no_row_major_copies_when_they_would_not_fit_or_no_rows_are_asked_for():
     from sglang_dspark.kernels_cpu.gemm_layout import add_row_major_copies
 
     model = _hybrid_model()
-    faster_row_major = lambda weight, rows: (0.5, 1.0)  # noqa: E731
     weights = sum(m.weight.numel() * 4 for m in (model.qkv, model.down, model.lm_head))
-    assert add_row_major_copies(model, timings=faster_row_major, available_bytes=4 * weights - 4) == 0
-    assert add_row_major_copies(model, timings=lambda weight, rows: (1.0, 1.0), available_bytes=2**30) == 0
+    assert add_row_major_copies(model, frozenset({2, 3}), available_bytes=4 * weights - 4) == 0
+    assert add_row_major_copies(model, frozenset(), available_bytes=2**30) == 0
     assert all(type(m.quant_method).__name__ == "UnquantizedLinearMethod" for m in (model.qkv, model.down, model.lm_head))
-
-
-def test_measured_layouts_time_both_layouts_of_the_same_weight():
-    from sglang_dspark.kernels_cpu.gemm_layout import measure_layouts
-
-    row_seconds, column_seconds = measure_layouts(torch.randn(64, 32), rows=2, samples=3)
-    assert row_seconds > 0 and column_seconds > 0

@@ -15,8 +15,10 @@ without AMX, MKL), SmolLM2-135M's linears plus lm_head per forward:
 The same BLAS is faster row-major for 2-3 rows (a batch-1 verify of 1-2 drafts, or a decode
 batch of 2-3): all linears plus lm_head 31.9 / 33.1 ms row-major against 37.9 / 41.3 column-major,
 most of it in the lm_head. So by default (`auto`) each linear keeps a row-major copy as well,
-used for the row counts where it measured faster at load (`RowCountLayouts`): twice the float32
-linear weights in memory, skipped when that would take over a quarter of the available memory.
+used for inputs of `DSPARK_CPU_ROW_MAJOR_ROWS` rows (default 2,3; `RowCountLayouts`): twice the
+float32 linear weights in memory, skipped when that would take over a quarter of the available
+memory. The row counts are fixed, not measured at load: servers that start together (a benchmark's
+arms) timed each other's loading and picked row-major for 4-6 rows, where it is 2x slower.
 
 This is a property of the engine, not of speculation: the plugin applies it in every CPU server
 it is loaded into, plain serving included, so that benchmarks compare like with like. The lm_head
@@ -28,10 +30,7 @@ layout.
 from __future__ import annotations
 
 import logging
-import math
 import os
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,9 +38,17 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "column", "off")
-MAX_DISPATCH_ROWS = 8  # beyond this column-major won at every shape measured
-ROW_MAJOR_MARGIN = 0.05  # row-major must be this much faster to earn its copy
+DEFAULT_ROW_MAJOR_ROWS = "2,3"
 LINEAR_METHOD = "UnquantizedLinearMethod"
+
+
+def row_major_rows_setting() -> frozenset[int]:
+    """`DSPARK_CPU_ROW_MAJOR_ROWS`: comma-separated row counts for the row-major copies ("" = none)."""
+    raw = os.environ.get("DSPARK_CPU_ROW_MAJOR_ROWS", DEFAULT_ROW_MAJOR_ROWS).strip()
+    parts = [part.strip() for part in raw.split(",") if part.strip()]
+    if not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise ValueError(f"DSPARK_CPU_ROW_MAJOR_ROWS={raw!r}: expected comma-separated row counts >= 1, e.g. 2,3")
+    return frozenset(int(part) for part in parts)
 
 
 def gemm_layout_mode() -> str:
@@ -107,35 +114,6 @@ class RowCountLayouts:
         return getattr(self.inner, name)
 
 
-def _seconds_per_call(weight: torch.Tensor, x: torch.Tensor, calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        F.linear(x, weight)
-    return (time.perf_counter() - start) / calls
-
-
-def measure_layouts(weight: torch.Tensor, rows: int, samples: int = 3) -> tuple[float, float]:
-    """Median seconds of `F.linear` with `rows` rows: (row-major, column-major), interleaved so
-    that load from other processes falls on both alike; ~1 ms of work per sample."""
-    row_major, column_major = weight.contiguous(), weight.t().contiguous().t()
-    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-    calls = max(1, math.ceil(1e-3 / max(_seconds_per_call(column_major, x, 1), 1e-6)))
-    pairs = [(_seconds_per_call(row_major, x, calls), _seconds_per_call(column_major, x, calls))
-             for _ in range(samples)]
-    return sorted(p[0] for p in pairs)[samples // 2], sorted(p[1] for p in pairs)[samples // 2]
-
-
-def row_major_rows(timings: Callable[[int], tuple[float, float]], max_rows: int = MAX_DISPATCH_ROWS,
-                   margin: float = ROW_MAJOR_MARGIN) -> frozenset[int]:
-    """The row counts (1..max_rows) at which row-major ran at least `margin` faster."""
-    chosen = set()
-    for rows in range(1, max_rows + 1):
-        row_seconds, column_seconds = timings(rows)
-        if row_seconds < (1.0 - margin) * column_seconds:
-            chosen.add(rows)
-    return frozenset(chosen)
-
-
 def available_memory_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (Linux); None elsewhere."""
     try:
@@ -148,36 +126,28 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def add_row_major_copies(model: torch.nn.Module,
-                         timings: Callable[[torch.Tensor, int], tuple[float, float]] = measure_layouts,
-                         available_bytes: int | None = None) -> int:
+def add_row_major_copies(model: torch.nn.Module, rows: frozenset[int], available_bytes: int | None = None) -> int:
     """Give each column-major float32 linear (and lm_head) a `RowCountLayouts` method with a
-    row-major copy, for the row counts where its shape measured faster row-major (one measurement
-    per distinct shape). Returns how many layers got one; none when the copies would take more
-    than a quarter of `available_bytes` (default: the machine's available memory)."""
+    row-major copy for inputs of `rows` rows. Returns how many layers got one; none when `rows` is
+    empty or the copies would take more than a quarter of `available_bytes` (default: the
+    machine's available memory)."""
     modules = [m for m in _target_modules(model)
                if _column_major(getattr(m, "weight", torch.empty(0))) and m.weight.dtype == torch.float32
                and m.weight.device.type == "cpu" and getattr(m, "quant_method", None) is not None
                and not isinstance(m.quant_method, RowCountLayouts)]
-    rows_by_shape: dict[tuple[int, ...], frozenset[int]] = {}
-    for module in modules:
-        shape = tuple(module.weight.shape)
-        if shape not in rows_by_shape:
-            rows_by_shape[shape] = row_major_rows(lambda rows, w=module.weight: timings(w, rows))
-    chosen = [m for m in modules if rows_by_shape[tuple(m.weight.shape)]]
-    extra = sum(m.weight.numel() * m.weight.element_size() for m in {id(m.weight): m for m in chosen}.values())
+    if not rows or not modules:
+        return 0
+    extra = sum(m.weight.numel() * m.weight.element_size() for m in {id(m.weight): m for m in modules}.values())
     available = available_memory_bytes() if available_bytes is None else available_bytes
     if available is not None and extra > available // 4:
         logger.info("sglang-dspark: no row-major copies (%.1f GB, over a quarter of the %.1f GB available)",
                     extra / 2**30, available / 2**30)
         return 0
     copies: dict[int, torch.Tensor] = {}
-    for module in chosen:
+    for module in modules:
         row_major = copies.setdefault(id(module.weight), module.weight.detach().contiguous())
-        module.quant_method = RowCountLayouts(module.quant_method, row_major, rows_by_shape[tuple(module.weight.shape)])
-    logger.info("sglang-dspark: row-major rows by weight shape: %s",
-                {"x".join(map(str, shape)): sorted(rows) for shape, rows in rows_by_shape.items()})
-    return len(chosen)
+        module.quant_method = RowCountLayouts(module.quant_method, row_major, rows)
+    return len(modules)
 
 
 def relayout_linears(module: torch.nn.Module) -> int:
@@ -199,8 +169,8 @@ def after_load_model(result, model_runner, *args, **kwargs):
     count = relayout_weights(model_runner.model)
     logger.info("sglang-dspark: %d float32 linear weights stored column-major (DSPARK_CPU_GEMM_LAYOUT=%s)", count, mode)
     if mode == "auto":
-        started = time.perf_counter()
-        copies = add_row_major_copies(model_runner.model)
-        logger.info("sglang-dspark: %d linears keep a row-major copy for the row counts where it is faster "
-                    "(measured in %.1f s)", copies, time.perf_counter() - started)
+        rows = row_major_rows_setting()
+        copies = add_row_major_copies(model_runner.model, rows)
+        logger.info("sglang-dspark: %d linears keep a row-major copy for inputs of %s rows "
+                    "(DSPARK_CPU_ROW_MAJOR_ROWS)", copies, sorted(rows))
     return None
