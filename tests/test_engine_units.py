@@ -309,6 +309,27 @@ def test_the_table_scales_ignore_steps_without_a_shape_and_stay_bounded():
     assert planner.step_scale == pytest.approx(4.0) and planner.token_scale == pytest.approx(4.0)
 
 
+def test_the_token_scale_may_learn_a_slope_far_steeper_than_the_table():
+    """At batch 16 four one-draft requests cost ~10x what the table said: the planner must see it
+    (a step scale that large would be a stall; a token slope that large is the engine)."""
+    from sglang_dspark.scheduling.cost_model import StepShape
+    from sglang_dspark.scheduling.planner import MAX_TOKEN_SCALE, TwoStepCapacityPlanner
+    from tests.test_scheduling_planner import affine
+
+    table = affine(0.17, 0.001)
+    planner = TwoStepCapacityPlanner(table, gamma=7)
+    one = table.predict(StepShape(16, 16, 4800))
+    for step in range(400):
+        shape = StepShape(16, 16 + step % 8, 4800)
+        planner.observe(shape, one + 10.0 * (table.predict(shape) - one))
+    assert planner.step_scale == pytest.approx(1.0, rel=0.02)
+    assert planner.token_scale == pytest.approx(10.0, rel=0.02) and MAX_TOKEN_SCALE > 10
+    for step in range(400):
+        shape = StepShape(16, 16 + step % 8, 4800)
+        planner.observe(shape, one + 100.0 * (table.predict(shape) - one))
+    assert planner.token_scale == pytest.approx(MAX_TOKEN_SCALE)
+
+
 def test_the_planner_learns_what_a_verify_token_costs_apart_from_the_step():
     """Steps at the table's one-token speed whose drafts cost twice what the table says."""
     from sglang_dspark.scheduling.cost_model import StepShape

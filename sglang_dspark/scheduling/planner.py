@@ -323,7 +323,13 @@ class _Snapshot:
     survivals: np.ndarray
 
 
-MAX_SCALE = 4.0
+MAX_SCALE = 4.0  # the one-token step: the machine's drift (57-93 ms here) stays well inside
+MAX_TOKEN_SCALE = 16.0  # verify tokens: the table can miss their slope by more (a layout change made
+# 1-2 drafts at batch 1 nearly free; 4 one-draft requests in a batch of 16 cost ~10x the table)
+
+
+def _clamp(scale: float, limit: float) -> float:
+    return min(max(scale, 1 / limit), limit)
 
 
 class TwoStepCapacityPlanner:
@@ -396,8 +402,8 @@ class TwoStepCapacityPlanner:
     def observe(self, step: StepShape | None, measured_seconds: float) -> None:
         """A finished step's shape and measured target seconds: refits measured ~ a * T(B) +
         b * (T(B + n) - T(B)) on the table in force, over recent steps (least squares with
-        exponential forgetting), a and b each within [1/4, 4] so that no burst of stalled steps
-        turns speculation off. While too few steps verified drafts, b follows a."""
+        exponential forgetting), a within [1/4, 4] so that no burst of stalled steps turns
+        speculation off, b within [1/16, 16]. While too few steps verified drafts, b follows a."""
         if step is None or not (measured_seconds > 0 and math.isfinite(measured_seconds)):
             return
         model = self._slot.model
@@ -409,14 +415,12 @@ class TwoStepCapacityPlanner:
         features = np.array([one * one, one * extra, extra * extra, one * measured_seconds, extra * measured_seconds])
         self._scale_sums += self.scale_decay * (features - self._scale_sums)
         a2, ab, b2, am, bm = self._scale_sums
-        step_scale = am / a2
         determinant = a2 * b2 - ab * ab
-        token_scale = step_scale
         if b2 > 0 and determinant > 1e-3 * a2 * b2:  # the two directions are told apart
-            step_scale = (b2 * am - ab * bm) / determinant
-            token_scale = (a2 * bm - ab * am) / determinant
-        self.step_scale = min(max(step_scale, 1 / MAX_SCALE), MAX_SCALE)
-        self.token_scale = min(max(token_scale, 1 / MAX_SCALE), MAX_SCALE)
+            self.step_scale = _clamp((b2 * am - ab * bm) / determinant, MAX_SCALE)
+            self.token_scale = _clamp((a2 * bm - ab * am) / determinant, MAX_TOKEN_SCALE)
+        else:
+            self.step_scale = self.token_scale = _clamp(am / a2, MAX_SCALE)
 
     def prior_survival(self) -> torch.Tensor:
         """The survival curve assumed for a request nothing is known about."""
