@@ -253,7 +253,7 @@ def bench_serve_command(
     arms: str = typer.Option("plain,nodraft,dspark",
                              help="Arms to run side by side (plain, nodraft, dspark, or a variant such as "
                                   "dspark.column; empty: only --verify-cost)."),
-    arm_env: list[str] = typer.Option([], "--arm-env",
+    arm_env: list[str] = typer.Option([], "--arm-env", metavar="ARM:KEY=VALUE",
                                       help="ARM:KEY=VALUE, an environment variable for one arm's server "
                                            "(repeatable), e.g. dspark.column:DSPARK_CPU_GEMM_LAYOUT=column."),
     verify_cost_contexts: str = typer.Option("", "--verify-cost", help="e.g. 200,2000: also time the verify step."),
