@@ -62,9 +62,14 @@ def _column_major(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.t().is_contiguous()
 
 
-def _eligible(weight) -> bool:
+def _float32_cpu_matrix(weight) -> bool:
     return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == torch.float32
-            and weight.device.type == "cpu" and not _column_major(weight))
+            and weight.device.type == "cpu")
+
+
+def _eligible(weight) -> bool:
+    """A float32 CPU matrix still stored row-major."""
+    return _float32_cpu_matrix(weight) and not _column_major(weight)
 
 
 def _target_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -132,8 +137,8 @@ def add_row_major_copies(model: torch.nn.Module, rows: frozenset[int], available
     empty or the copies would take more than a quarter of `available_bytes` (default: the
     machine's available memory)."""
     modules = [m for m in _target_modules(model)
-               if _column_major(getattr(m, "weight", torch.empty(0))) and m.weight.dtype == torch.float32
-               and m.weight.device.type == "cpu" and getattr(m, "quant_method", None) is not None
+               if _float32_cpu_matrix(getattr(m, "weight", None)) and _column_major(m.weight)
+               and getattr(m, "quant_method", None) is not None
                and not isinstance(m.quant_method, RowCountLayouts)]
     if not rows or not modules:
         return 0
