@@ -50,6 +50,10 @@ def eval_command(
     for name, result in report["drafters"].items():
         taus = ", ".join(f"{d} {s['tau']:.2f}" for d, s in result["domains"].items())
         typer.echo(f"{name}: macro tau {result['macro_tau']:.3f} ({taus}); draft share {result['draft_time_share']:.2f}")
+        if "ece_sts" in result:
+            ece = " ".join(f"{value:.3f}" for value in result["ece_sts"])
+            floor = " ".join(f"{value:.3f}" for value in result["ece_floor_sts"])
+            typer.echo(f"  ECE after STS per position: {ece}\n  (perfect calibration on these rounds: {floor})")
 
 
 def _limit_per_domain(records: list[dict], limit: Optional[int]) -> list[dict]:

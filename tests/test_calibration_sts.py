@@ -10,6 +10,7 @@ import torch
 from sglang_dspark.calibration.metrics import (
     CalibrationDataError,
     brier_score,
+    ece_sampling_floor,
     expected_calibration_error,
     position_report,
     prefix_labels,
@@ -114,3 +115,20 @@ def test_position_report_ignores_unverified_positions():
     report = position_report(survivals, labels, valid)
     assert report.samples == [2, 1]
     assert report.mean_label == [1.0, 1.0]
+
+
+def test_ece_floor_is_the_sampling_noise_of_a_calibrated_predictor():
+    generator = torch.Generator().manual_seed(3)
+    few, many = torch.rand(200, generator=generator), torch.rand(20000, generator=generator)
+    assert ece_sampling_floor(few) > 5 * ece_sampling_floor(many)  # noise ~ 1/sqrt(n)
+
+    calibrated = torch.bernoulli(many, generator=generator)
+    overconfident = torch.bernoulli((many - 0.2).clamp(0, 1), generator=generator)
+    floor = ece_sampling_floor(many)
+    assert expected_calibration_error(many, calibrated) < 3 * floor
+    assert expected_calibration_error(many, overconfident) > 10 * floor
+
+
+def test_ece_floor_needs_a_weighted_sample():
+    with pytest.raises(CalibrationDataError, match="positive weight"):
+        ece_sampling_floor(torch.rand(4), torch.zeros(4))

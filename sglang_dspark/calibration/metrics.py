@@ -97,6 +97,31 @@ def expected_calibration_error(
     return float(expected_calibration_error_batched(flat_pred, label.reshape(-1), w, num_bins))
 
 
+def ece_sampling_floor(
+    pred: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    num_bins: int = DEFAULT_BINS,
+    draws: int = 256,
+    seed: int = 0,
+) -> float:
+    """The ECE a perfectly calibrated predictor shows on this many samples: the mean ECE over
+    `draws` label sets drawn as Bernoulli(pred).
+
+    ECE is biased upwards by sampling noise (a bin of n rounds misses its mean by ~sqrt(p(1-p)/n)),
+    so a measured ECE means little without this floor: one near it is all the calibration the
+    sample can show; the excess over it is real miscalibration.
+    """
+    flat_pred = pred.reshape(-1).to(torch.float64)
+    w = _flat_weights(pred, weight).reshape(-1)
+    if float(w.sum()) <= 0:
+        raise CalibrationDataError("the ECE floor needs at least one sample with positive weight")
+    generator = torch.Generator().manual_seed(seed)
+    expanded = flat_pred.clamp(0.0, 1.0).expand(draws, -1)
+    labels = torch.bernoulli(expanded, generator=generator)
+    floors = expected_calibration_error_batched(expanded, labels, w.expand(draws, -1), num_bins)
+    return float(floors.mean())
+
+
 def brier_score(pred: torch.Tensor, label: torch.Tensor, weight: torch.Tensor | None = None) -> float:
     """Weighted mean squared error between predicted probability and outcome."""
     w = _flat_weights(pred, weight)

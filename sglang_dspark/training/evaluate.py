@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_dspark.calibration.metrics import position_report, prefix_labels
+from sglang_dspark.calibration.metrics import ece_sampling_floor, position_report, prefix_labels
 from sglang_dspark.calibration.sts import CalibrationData, StsCalibration, calibrate, fit_method
 from sglang_dspark.decoding.sampling import GREEDY_TEMPERATURE
 
@@ -135,10 +135,18 @@ def ece_report(records: list[RoundRecord], calibration: StsCalibration | None) -
     report = {"ece_raw": raw.ece, "mean_ece_raw": raw.mean_ece,
               "mean_predicted_survival_raw": raw.mean_prediction, "observed_survival": raw.mean_label}
     if calibration is not None:
-        after = position_report(calibration.apply(data.logits), data.labels, data.valid)
+        calibrated = calibration.apply(data.logits)
+        after = position_report(calibrated, data.labels, data.valid)
         report.update(ece_sts=after.ece, mean_ece_sts=after.mean_ece,
-                      mean_predicted_survival_sts=after.mean_prediction)
+                      mean_predicted_survival_sts=after.mean_prediction,
+                      ece_floor_sts=_ece_floors(calibrated, data.valid))
     return report
+
+
+def _ece_floors(survivals: torch.Tensor, valid: torch.Tensor) -> list[float]:
+    """Per position, the ECE perfect calibration would show on these rounds (sampling noise)."""
+    return [ece_sampling_floor(survivals[:, k], valid[:, k].to(torch.float64)) if bool(valid[:, k].any())
+            else float("nan") for k in range(survivals.shape[1])]
 
 
 def fit_sts(records: list[RoundRecord]) -> StsCalibration:
