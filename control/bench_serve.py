@@ -41,23 +41,23 @@ def chat_texts(model_path: str, prompts: list[str]) -> list[str]:
                                           add_generation_prompt=True) for p in prompts]
 
 
-def _generate(url: str, text: str, max_new_tokens: int) -> dict:
+def _generate(url: str, text: str, max_new_tokens: int, ignore_eos: bool = True) -> dict:
     import httpx
 
     started = time.perf_counter()
     response = httpx.post(f"{url}/generate", timeout=1800, json={
-        "text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}})
+        "text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}})
     response.raise_for_status()
     meta = response.json()["meta_info"]
     return {"tokens": meta["completion_tokens"], "seconds": time.perf_counter() - started,
             "verify_steps": meta.get("spec_verify_ct"), "cap_length": meta.get("spec_cap_length")}
 
 
-def run_wave(url: str, texts: list[str], max_new_tokens: int) -> dict:
+def run_wave(url: str, texts: list[str], max_new_tokens: int, ignore_eos: bool = True) -> dict:
     """All `texts` at once; aggregate and per-user throughput, tau and verify width of the wave."""
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(texts)) as pool:
-        results = list(pool.map(lambda t: _generate(url, t, max_new_tokens), texts))
+        results = list(pool.map(lambda t: _generate(url, t, max_new_tokens, ignore_eos), texts))
     wall = time.perf_counter() - started
     tokens = sum(r["tokens"] for r in results)
     wave = {"aggregate_tok_s": tokens / wall, "per_user_tok_s": statistics.mean(r["tokens"] / r["seconds"] for r in results)}
@@ -127,7 +127,7 @@ def arm_launch(arm: str, target: str, drafter_path: str | None, port: int, devic
 
 
 def bench_arms(launches: dict[str, ServerLaunch], prompts: list[str], concurrency: list[int], repeats: int,
-               max_new_tokens: int, log_dir: Path, min_requests: int = 1) -> dict:
+               max_new_tokens: int, log_dir: Path, min_requests: int = 1, ignore_eos: bool = True) -> dict:
     """All arms' servers up at once; for each concurrency and repeat, one wave per arm in turn.
 
     Interleaving the arms' waves puts them minutes apart instead of a whole arm apart, so slow
@@ -142,7 +142,7 @@ def bench_arms(launches: dict[str, ServerLaunch], prompts: list[str], concurrenc
             for r in range(waves_per_cell(c, repeats, min_requests)):
                 texts = [prompts[(r * c + i) % len(prompts)] for i in range(c)]
                 for arm, launch in launches.items():
-                    waves[arm].append(run_wave(launch.url, texts, max_new_tokens))
+                    waves[arm].append(run_wave(launch.url, texts, max_new_tokens, ignore_eos))
             for arm, launch in launches.items():
                 cells[arm][str(c)] = _median_cells(waves[arm])
                 if _step_log(launch) is not None:
@@ -246,6 +246,11 @@ def bench_serve_command(
     repeats: int = typer.Option(3, min=1, help="Waves per cell (the median is reported)."),
     min_requests: int = typer.Option(12, min=1, help="More waves where a cell would hold fewer requests than this."),
     max_new_tokens: int = typer.Option(128, min=1, help="Output tokens per request."),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--stop-at-eos",
+                                    help="Generate exactly --max-new-tokens past the end of turn (default), or stop "
+                                         "there like real traffic (greedy output is lossless, so every arm still "
+                                         "produces the same tokens; the drafter never trained on text past the end "
+                                         "of turn)."),
     prompts_per_domain: int = typer.Option(6, min=1, help="Eval prompts taken from each domain."),
     dtype: str = typer.Option("float32", help="Same dtype for both arms."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
@@ -278,14 +283,15 @@ def bench_serve_command(
         texts = chat_texts(target, [p for group in zip(*by_domain.values()) for p in group])
     log_dir = Path(tempfile.mkdtemp(prefix="dspark-bench-serve-"))
     report = {"config": {"model_path": target, "drafter": drafter_path, "dtype": dtype, "device": device,
-                         "max_new_tokens": max_new_tokens, "repeats": repeats, "min_requests": min_requests,
+                         "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "repeats": repeats, "min_requests": min_requests,
                          "prompts": len(texts),
                          "logs": str(log_dir), "arms": {arm: ARMS[arm_base(arm)] for arm in wanted},
                          "arm_env": {arm: env for arm, env in envs.items() if env}}, "arms": {}}
     if wanted:
         launches = {arm: arm_launch(arm, target, drafter_path, port + i, device, dtype, log_dir, envs[arm])
                     for i, arm in enumerate(wanted)}
-        report["arms"] = bench_arms(launches, texts, levels, repeats, max_new_tokens, log_dir, min_requests)
+        report["arms"] = bench_arms(launches, texts, levels, repeats, max_new_tokens, log_dir, min_requests,
+                                    ignore_eos)
     report.update(speedups(report["arms"]))
     failed = False
     if verify_cost_contexts:

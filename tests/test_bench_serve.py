@@ -135,3 +135,22 @@ def test_bad_arms_and_arm_environments_are_refused(arms, arm_env):
 
     with pytest.raises(typer.BadParameter):
         parse_arm_env(arm_env, parse_arms(arms))
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_waves_stop_at_the_end_of_turn_only_when_asked(monkeypatch, ignore_eos):
+    import httpx
+
+    from dspark_ctl.bench_serve import run_wave
+
+    sent = []
+
+    def fake_post(url, json, timeout):
+        sent.append(json["sampling_params"])
+        meta = {"completion_tokens": 10, "spec_verify_ct": 5, "spec_cap_length": 3.0}
+        return httpx.Response(200, json={"meta_info": meta}, request=httpx.Request("POST", url))
+
+    monkeypatch.setattr(httpx, "post", fake_post)
+    wave = run_wave("http://server", ["a", "b"], 16, ignore_eos=ignore_eos)
+    assert [p["ignore_eos"] for p in sent] == [ignore_eos] * 2 and sent[0]["max_new_tokens"] == 16
+    assert wave["tau"] == pytest.approx(2.0)
