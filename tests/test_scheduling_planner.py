@@ -270,3 +270,21 @@ def test_early_stop_planner_drafts_short_blocks_when_the_walk_costs_per_slot():
     planner.publish(ids, torch.tensor([0.9, 0.8, 0.5, 0.4, 0.3, 0.2, 0.1]).expand(4, 7))
     per_slot = [0.0] + [0.004 * w for w in range(1, 8)]
     assert 1 <= planner.decide(ids, draft_seconds=per_slot).draft_width < 7
+
+
+def test_a_probe_step_verifies_the_most_confident_first_draft_and_normal_steps_do_not():
+    """A probe that verified nothing could never show the online cost fit that verify tokens got
+    cheaper again, and drafting would stay off for good."""
+    ids = list(range(4))
+    hopeless = EarlyStopPlanner(affine(0.05, 0.01), gamma=7, explore_every=3)
+    hopeless.publish(ids, torch.full((4, 7), 0.05).cumprod(dim=1))
+    survivals = torch.tensor([0.02, 0.04, 0.03, 0.01])[:, None].expand(4, 7).cumprod(dim=1)
+    lens = []
+    for _ in range(6):
+        width = hopeless.decide(ids, draft_seconds=0.01).draft_width
+        lens.append(hopeless.verify_lens(survivals, width).tolist() if width else None)
+    assert lens == [None, None, [0, 1, 0, 0], None, None, [0, 1, 0, 0]]
+    # a chosen draft width is no probe: early stop alone decides
+    confident = EarlyStopPlanner(affine(0.05, 0.01), gamma=7, explore_every=3)
+    assert confident.decide(ids).draft_width == 7
+    assert confident.verify_lens(survivals, 7).tolist() == [0, 0, 0, 0]

@@ -554,6 +554,22 @@ def early_stop_lens(
     return _lens_from_admitted(path, int(np.cumprod(pays).sum()))
 
 
+def _probe_one_draft(survivals: torch.Tensor, lens: torch.Tensor, max_lens: torch.Tensor | int) -> torch.Tensor:
+    """`lens` with the first draft of the request most likely to keep it verified.
+
+    A probe that verifies nothing teaches the online cost fit nothing about verify tokens, so a
+    cost it over-estimated (one noisy step can do it) would keep drafting off for good. Lossless:
+    the choice reads only first-slot survivals, which no draft token feeds."""
+    limits = torch.as_tensor(max_lens, dtype=torch.long).expand(lens.shape[0])
+    candidates = torch.where(limits > 0, torch.as_tensor(survivals[:, 0], dtype=torch.float64),
+                             torch.tensor(float("-inf"), dtype=torch.float64))
+    if not bool(torch.isfinite(candidates).any()):
+        return lens
+    lens = lens.clone()
+    lens[int(torch.argmax(candidates))] = 1
+    return lens
+
+
 class EarlyStopPlanner(TwoStepCapacityPlanner):
     """The production planner of DSPARK_LIVE: draft width from recent steps, verify lengths by
     early stop (`early_stop_lens`) on this step's survivals.
@@ -576,6 +592,7 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
                  virtual_rows: int = 256, explore_every: int = 16, seed: int = 0, **kwargs) -> None:
         super().__init__(cost_model, gamma, lag=1, window=pool_steps, explore_every=explore_every, **kwargs)
         self.virtual_rows = virtual_rows
+        self._probing = False  # this step drafts only because drafting was skipped for too long
         self._rng = np.random.default_rng(seed)
 
     def _throughput(self, batch: int, context_tokens: float) -> float:
@@ -608,7 +625,8 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
             expected[width] = batch + (candidates * admitted).sum(axis=1).mean()
             seconds[width] = target[admitted.sum(axis=1)].mean() + costs[width]
         value = expected - throughput * seconds
-        if self._skips + 1 >= self.explore_every:
+        self._probing = self._skips + 1 >= self.explore_every and int(np.argmax(value)) == 0
+        if self._probing:
             value[0] = -np.inf
         width = self.gamma - int(np.argmax(value[::-1]))  # ties go to the wider block
         self._skips = 0 if width > 0 else self._skips + 1
@@ -620,5 +638,9 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
                     context_tokens: float = 0.0) -> torch.Tensor:
         """This step's verify lengths (`early_stop_lens` within the drafted width, `max_lens`)."""
         throughput = self._throughput(survivals.shape[0], context_tokens)
-        return early_stop_lens(survivals, self.cost_model, throughput, context_tokens=context_tokens,
+        lens = early_stop_lens(survivals, self.cost_model, throughput, context_tokens=context_tokens,
                                max_lens=max_lens)
+        if self._probing and int(lens.sum()) == 0:
+            lens = _probe_one_draft(survivals, lens, max_lens)
+        self._probing = False
+        return lens
