@@ -156,6 +156,19 @@ def test_draft_cost_tracker_learns_a_line_over_batch_size():
     assert tracker.estimate(16) == pytest.approx(0.034)
 
 
+def test_a_first_slow_walk_does_not_make_drafting_look_dear():
+    """A server's first walks paid one-off costs (86-115 ms against 8 ms warm): a mean of the
+    few samples so far would have charged drafting 3x its cost and turned it off."""
+    from sglang_dspark.engine.planning import DraftCostTracker
+
+    tracker = DraftCostTracker()
+    for seconds in (0.110, 0.008, 0.009, 0.008):
+        tracker.add(1, seconds)
+    assert tracker.estimate(1) == pytest.approx(0.0085)
+    tracker.add(16, 0.030)
+    assert tracker.estimate(16) == pytest.approx(0.030, rel=0.05), "the line still follows the batch size"
+
+
 def test_draft_costs_charge_the_block_once_and_the_walk_per_slot():
     from sglang_dspark.engine.planning import DraftCosts
 
@@ -307,6 +320,33 @@ def test_the_table_scales_ignore_steps_without_a_shape_and_stay_bounded():
     for _ in range(1000):
         planner.observe(StepShape(1, 1, 10), 100.0)  # the flat table predicts 1 s
     assert planner.step_scale == pytest.approx(4.0) and planner.token_scale == pytest.approx(4.0)
+
+
+def test_slow_first_steps_with_drafts_do_not_turn_drafting_off():
+    """Replays what happened at concurrency 1: the server's first steps (all verifying 2 drafts)
+    took 0.88 s and 0.17 s against 0.09 s warm. Least squares blamed the drafts (token scale
+    16), so the planner verified none and drafting stayed off for ~700 steps. The fit now skips
+    the first steps and clips outliers, so the warm steps decide."""
+    from sglang_dspark.scheduling.cost_model import StepShape
+    from sglang_dspark.scheduling.planner import WARMUP_STEPS, EarlyStopPlanner
+    from tests.test_scheduling_planner import affine
+
+    table = affine(0.06, 0.01)
+    planner = EarlyStopPlanner(table, gamma=7, explore_every=16)
+    ids = ["a"]
+    survivals = torch.full((1, 7), 0.7).cumprod(dim=1)
+    slow = {0: 10.0, 3: 2.0, WARMUP_STEPS + 2: 10.0}  # step -> measured / table
+    verified = []
+    for step in range(120):
+        width = planner.decide(ids, context_tokens=100.0, draft_seconds=[0.0] + [0.005] * 7).draft_width
+        lens = planner.verify_lens(survivals, width, 100.0) if width else torch.zeros(1, dtype=torch.long)
+        if width:
+            planner.publish(ids, survivals, width)
+        shape = StepShape(1, 1 + int(lens.sum()), 100)
+        planner.observe(shape, table.predict(shape) * slow.get(step, 1.0))
+        verified.append(int(lens.sum()))
+    assert planner.token_scale < 2.0 and 0.5 < planner.step_scale < 2.0
+    assert sum(v > 0 for v in verified[-100:]) >= 95, verified
 
 
 def test_the_token_scale_may_learn_a_slope_far_steeper_than_the_table():

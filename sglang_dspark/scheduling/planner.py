@@ -324,6 +324,10 @@ class _Snapshot:
 
 
 MAX_SCALE = 4.0  # the one-token step: the machine's drift (57-93 ms here) stays well inside
+WARMUP_STEPS = 8  # a server's first decode steps pay one-off costs (allocations, kernel set-up):
+# 0.55-0.88 s against 0.09 s once warm; the fit ignores them
+OUTLIER_FACTOR = 2.0  # one step counts at most this far from what the fit predicts for it (stalls,
+# a server's first steps: 0.65-0.88 s against 0.09 s once warm)
 MAX_TOKEN_SCALE = 16.0  # verify tokens: the table can miss their slope by more (a layout change made
 # 1-2 drafts at batch 1 nearly free; 4 one-draft requests in a batch of 16 cost ~10x the table)
 
@@ -363,6 +367,7 @@ class TwoStepCapacityPlanner:
         long_run: bool = True,
         throughput_decay: float = 0.05,
         scale_decay: float = 0.05,
+        warmup_steps: int = WARMUP_STEPS,
     ) -> None:
         if lag < 1 or gamma < 1 or window < 1 or explore_every < 1:
             raise PlannerError(
@@ -381,6 +386,7 @@ class TwoStepCapacityPlanner:
         self._mean_seconds: float | None = None
         self._decisions = 0
         self.scale_decay = scale_decay
+        self._warmup_left = warmup_steps
         self.step_scale, self.token_scale = 1.0, 1.0
         # exponentially forgotten sums for measured ~ a * step + b * extra (least squares)
         self._scale_sums = np.zeros(5)  # step^2, step*extra, extra^2, step*measured, extra*measured
@@ -403,8 +409,19 @@ class TwoStepCapacityPlanner:
         """A finished step's shape and measured target seconds: refits measured ~ a * T(B) +
         b * (T(B + n) - T(B)) on the table in force, over recent steps (least squares with
         exponential forgetting), a within [1/4, 4] so that no burst of stalled steps turns
-        speculation off, b within [1/16, 16]. While too few steps verified drafts, b follows a."""
+        speculation off, b within [1/16, 16]. While too few steps verified drafts, b follows a.
+
+        A server's first decode steps (one-off allocations and kernel set-up) took 7-10x a warm
+        step; as the only steps with drafts so far, least squares blamed them on the drafts
+        (b = 16), the planner stopped verifying drafts, and with no verified drafts to correct it
+        drafting stayed off for hundreds of steps. So the first `warmup_steps` are not fitted,
+        and every later measurement is clipped to within `OUTLIER_FACTOR` of what the current
+        fit predicts for its shape: a stall moves the fit at most 2x, a real change still gets
+        there over a few steps."""
         if step is None or not (measured_seconds > 0 and math.isfinite(measured_seconds)):
+            return
+        if self._warmup_left > 0:
+            self._warmup_left -= 1
             return
         model = self._slot.model
         tokens = np.array([float(step.num_requests), float(step.batch_tokens)])
@@ -412,6 +429,8 @@ class TwoStepCapacityPlanner:
         if not (one > 0 and full >= one):
             return
         extra = full - one
+        expected = self.step_scale * one + self.token_scale * extra
+        measured_seconds = min(max(measured_seconds, expected / OUTLIER_FACTOR), expected * OUTLIER_FACTOR)
         features = np.array([one * one, one * extra, extra * extra, one * measured_seconds, extra * measured_seconds])
         self._scale_sums += self.scale_decay * (features - self._scale_sums)
         a2, ab, b2, am, bm = self._scale_sums
