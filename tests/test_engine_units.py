@@ -9,7 +9,7 @@ import torch
 
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
 from sglang_dspark.engine.settings import SettingsError, load_settings
-from sglang_dspark.engine.verify_attention import verify_attention
+from sglang_dspark.engine.verify_attention import VerifyLayout, verify_attention
 
 
 def _reference_attention(q, k, v, prefix_len, scale):
@@ -33,13 +33,68 @@ def test_verify_attention_equals_causal_attention_over_the_whole_sequence(heads,
     req_to_token = torch.randperm(pool - 1).add(1).reshape(3, 21)
     spans = [(7, 3), (0, 5), (15, 1)]
     q = torch.randn(sum(w for _, w in spans), heads, dim)
-    out = verify_attention(q, k_cache, v_cache, req_to_token, [2, 0, 1], spans, dim**-0.5)
+    layout = VerifyLayout.build(req_to_token, [2, 0, 1], spans, group=heads // kv_heads, dtype=q.dtype)
+    out = verify_attention(q, k_cache, v_cache, layout, dim**-0.5)
     start = 0
     for row, (prefix, window) in zip([2, 0, 1], spans):
         slots = req_to_token[row, : prefix + window]
         want = _reference_attention(q[start : start + window], k_cache[slots], v_cache[slots], prefix, dim**-0.5)
         torch.testing.assert_close(out[start : start + window], want, rtol=1e-5, atol=1e-5)
         start += window
+
+
+class _FakeKVPool:
+    def __init__(self, k_cache, v_cache):
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def set_kv_buffer(self, layer, loc, k, v):
+        self.k_cache[loc.loc], self.v_cache[loc.loc] = k, v
+
+    def get_key_buffer(self, layer_id):
+        return self.k_cache
+
+    def get_value_buffer(self, layer_id):
+        return self.v_cache
+
+
+def test_each_verify_forward_builds_its_own_layout_and_its_layers_share_it():
+    """The layout is built once per forward; a new forward (layer ids start again) must never
+    reuse the last one's slots and masks, even when the ForwardBatch object is the same."""
+    from types import SimpleNamespace
+
+    from sglang_dspark.engine import verify_attention as va
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, pool = 4, 2, 8, 64
+    k_cache, v_cache = torch.randn(pool, kv_heads, dim), torch.randn(pool, kv_heads, dim)
+    req_to_token = torch.randperm(pool - 1).add(1).reshape(3, 21)
+    backend = SimpleNamespace(token_to_kv_pool=_FakeKVPool(k_cache, v_cache),
+                              req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+                              forward_extend=lambda *args, **kwargs: pytest.fail("not a verify forward"))
+    va.install(backend)
+    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: True))
+    layers = [SimpleNamespace(layer_id=i, tp_q_head_num=heads, tp_k_head_num=kv_heads, qk_head_dim=dim,
+                              v_head_dim=dim, is_cross_attention=False, sliding_window_size=None,
+                              scaling=dim**-0.5) for i in range(2)]
+    builds = []
+    real_build = va.VerifyLayout.build
+    va.VerifyLayout.build = classmethod(lambda cls, *a, **kw: builds.append(a[2]) or real_build(*a, **kw))
+    try:
+        for pools, spans in (([2, 0], [(7, 3), (0, 5)]), ([1, 0], [(15, 1), (5, 2)])):
+            batch.req_pool_indices = torch.tensor(pools)
+            batch.extend_prefix_lens_cpu = [p for p, _ in spans]
+            batch.extend_seq_lens_cpu = [w for _, w in spans]
+            batch.out_cache_loc = torch.cat([req_to_token[r, p : p + w] for r, (p, w) in zip(pools, spans)])
+            q = torch.randn(sum(w for _, w in spans), heads * dim)
+            k, v = torch.randn(len(q), kv_heads, dim), torch.randn(len(q), kv_heads, dim)
+            outs = [backend.forward_extend(q, k, v, layer, batch) for layer in layers]
+            want = verify_attention(q.view(-1, heads, dim), k_cache, v_cache,
+                                    real_build(req_to_token, pools, spans, group=2, dtype=q.dtype), dim**-0.5)
+            for out in outs:
+                torch.testing.assert_close(out, want.reshape(len(q), heads * dim))
+    finally:
+        va.VerifyLayout.build = real_build
+    assert builds == [[(7, 3), (0, 5)], [(15, 1), (5, 2)]], "one build per forward"
 
 
 def _draft_folder(tmp_path, block_size=4, confidence_head=True):
