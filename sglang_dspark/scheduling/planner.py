@@ -326,8 +326,8 @@ class _Snapshot:
 MAX_SCALE = 4.0  # the one-token step: the machine's drift (57-93 ms here) stays well inside
 WARMUP_STEPS = 8  # a server's first decode steps pay one-off costs (allocations, kernel set-up):
 # 0.55-0.88 s against 0.09 s once warm; the fit ignores them
-OUTLIER_FACTOR = 2.0  # one step counts at most this far from what the fit predicts for it (stalls,
-# a server's first steps: 0.65-0.88 s against 0.09 s once warm)
+OUTLIER_FACTOR = 2.0  # one step counts at most this far from what the fit predicts for it (a stall,
+# a new shape's first run), so no single step can swing the fit
 MAX_TOKEN_SCALE = 16.0  # verify tokens: the table can miss their slope by more (a layout change made
 # 1-2 drafts at batch 1 nearly free; 4 one-draft requests in a batch of 16 cost ~10x the table)
 
