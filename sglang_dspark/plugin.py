@@ -1,9 +1,9 @@
 """SGLang plugin entry point (`sglang.srt.plugins: dspark`), run by SGLang in every process.
 
 `register()` (1) installs the pure-torch `sgl_kernel` stand-in when SGLang's CPU engine is requested
-and the CUDA-only PyPI build cannot load, (2) on the CPU engine, stores the target's float32
-linear weights column-major after loading (`kernels_cpu.gemm_layout`: 2-3x faster small-batch
-GEMMs, in plain and speculative servers alike), and (3) registers the speculative algorithm
+and the CUDA-only PyPI build cannot load, (2) on the CPU engine, lays out the target's linear
+weights for small batches after loading (`kernels_cpu.gemm_layout`: column-major float32 and
+weight panels, 2-4x faster 2-32-row GEMMs, in plain and speculative servers alike), and (3) registers the speculative algorithm
 `DSPARK_LIVE` (overlap-capable, V2 result schema). Serving then needs only:
 
     SGLANG_USE_CPU_ENGINE=1 python -m sglang.launch_server --device cpu \
@@ -42,10 +42,12 @@ def register() -> None:
         HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.validate_dllm_request",
                               validate_request_hook, HookType.AFTER)
         if cpu_engine_requested():
-            from sglang_dspark.kernels_cpu.gemm_layout import after_load_model, gemm_layout_mode, row_major_rows_setting
+            import torch
+
+            from sglang_dspark.kernels_cpu.gemm_layout import after_load_model, gemm_layout_mode, panel_rows_setting
 
             gemm_layout_mode()  # a bad DSPARK_CPU_GEMM_LAYOUT fails at start, not after loading
-            row_major_rows_setting()
+            panel_rows_setting(torch.float32)
             HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model",
                                   after_load_model, HookType.AFTER)
 

@@ -139,18 +139,56 @@ def test_a_column_major_drafter_drafts_the_same_blocks():
     torch.testing.assert_close(block(), before)
 
 
-def test_the_row_major_row_counts_come_from_the_knob(monkeypatch):
-    from sglang_dspark.kernels_cpu.gemm_layout import row_major_rows_setting
+def test_the_panel_row_range_comes_from_the_knob_with_a_default_per_dtype(monkeypatch):
+    from sglang_dspark.kernels_cpu.gemm_layout import panel_rows_setting
 
-    assert row_major_rows_setting() == {2, 3}
-    monkeypatch.setenv("DSPARK_CPU_ROW_MAJOR_ROWS", " 1, 4 ")
-    assert row_major_rows_setting() == {1, 4}
-    monkeypatch.setenv("DSPARK_CPU_ROW_MAJOR_ROWS", "")
-    assert row_major_rows_setting() == frozenset()
-    for bad in ("two", "0,2", "2;3"):
-        monkeypatch.setenv("DSPARK_CPU_ROW_MAJOR_ROWS", bad)
-        with pytest.raises(ValueError, match="expected comma-separated row counts >= 1"):
-            row_major_rows_setting()
+    assert panel_rows_setting(torch.float32) == range(2, 33)
+    assert panel_rows_setting(torch.bfloat16)[0] == 1 and 10**6 in panel_rows_setting(torch.bfloat16)
+    monkeypatch.setenv("DSPARK_CPU_PANEL_ROWS", " 1-8 ")
+    assert panel_rows_setting(torch.float32) == range(1, 9)
+    monkeypatch.setenv("DSPARK_CPU_PANEL_ROWS", "4-")
+    assert 4 in panel_rows_setting(torch.float32) and 3 not in panel_rows_setting(torch.float32)
+    monkeypatch.setenv("DSPARK_CPU_PANEL_ROWS", "")
+    assert not panel_rows_setting(torch.float32)
+    for bad in ("two", "0-8", "8-2", "2,3", "4", "-4"):
+        monkeypatch.setenv("DSPARK_CPU_PANEL_ROWS", bad)
+        with pytest.raises(ValueError, match="expected a row range LO-HI"):
+            panel_rows_setting(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panels_multiply_like_the_blas_and_each_row_alone_gives_the_same_bits(dtype):
+    """The kernel equals F.linear (up to summation order) for odd sizes and any row count, and a
+    row's result does not depend on the rows beside it: a verify window's linears reproduce the
+    one-token decode's bit for bit."""
+    from sglang_dspark.kernels_cpu.panel_gemm import pack_panels, panel_linear
+
+    torch.manual_seed(0)
+    weight = torch.randn(77, 45).to(dtype)  # neither dimension a multiple of the 32-column panel
+    panels = pack_panels(weight)
+    assert panels.shape == (3, 45, 32) and panels.dtype == dtype
+    x = torch.randn(2, 9, 45).to(dtype)  # 18 rows: three passes of 8 over each panel
+    out = panel_linear(x, panels, 77)
+    assert out.shape == (2, 9, 77) and out.dtype == dtype
+    reference = F.linear(x.float(), weight.float())
+    tolerance = 1e-4 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(out.float(), reference, rtol=tolerance, atol=tolerance)
+    alone = torch.stack([torch.stack([panel_linear(x[i, j:j + 1], panels, 77)[0] for j in range(9)]) for i in range(2)])
+    assert torch.equal(alone, out)
+    with pytest.raises(ValueError, match="do not fit panels"):
+        panel_linear(torch.randn(3, 44).to(dtype), panels, 77)
+
+
+def test_bfloat16_panels_round_to_nearest_even_and_keep_nan():
+    from sglang_dspark.kernels_cpu.panel_gemm import pack_panels, panel_linear
+
+    weight = torch.ones(3, 1, dtype=torch.bfloat16)
+    # 1 + 2^-8 lies halfway between two bf16 values: ties go to the even one (1.0); just above rounds up
+    x = torch.tensor([[1 + 2**-8], [1 + 2**-8 + 2**-12], [float("nan")]], dtype=torch.float32)
+    out = panel_linear(x.bfloat16(), pack_panels(weight), 3)  # x itself rounds when cast to bf16
+    torch.testing.assert_close(out, F.linear(x.bfloat16(), weight), equal_nan=True)
+    float_out = panel_linear(x, pack_panels(weight.float()), 3).to(torch.bfloat16)
+    assert float_out[0, 0].item() == 1.0 and float_out[1, 0].item() > 1.0 and float_out[2].isnan().all()
 
 
 def _hybrid_model() -> torch.nn.Module:
@@ -163,32 +201,61 @@ def _hybrid_model() -> torch.nn.Module:
     return model
 
 
-def test_row_major_copies_serve_the_rows_they_won_with_the_same_values():
-    """Two to three rows run on the row-major copy, others on the column-major weight as before;
-    the outputs equal the plain product, and a tied lm_head still embeds through its own method."""
-    from sglang_dspark.kernels_cpu.gemm_layout import RowCountLayouts, add_row_major_copies
+def test_panels_serve_the_rows_in_range_with_the_same_values():
+    """Rows in range run on the panels, others on the column-major weight as before; the outputs
+    equal the plain product, and a tied lm_head still embeds through its own method."""
+    from sglang_dspark.kernels_cpu.gemm_layout import PanelLayouts, add_panels
 
     model = _hybrid_model()
-    assert add_row_major_copies(model, frozenset({2, 3}), available_bytes=2**30) == 3
+    assert add_panels(model, range(2, 4), available_bytes=2**30) == 3
     for module in (model.qkv, model.down, model.lm_head):
         method = module.quant_method
-        assert isinstance(method, RowCountLayouts) and method.row_major_rows == {2, 3}
-        assert method.row_major.is_contiguous() and module.weight.t().is_contiguous()
+        assert isinstance(method, PanelLayouts) and method.rows == range(2, 4)
+        assert module.weight.t().is_contiguous(), "the BLAS keeps its column-major weight"
         for rows in (1, 2, 3, 4, 7):
             x = torch.randn(rows, module.weight.shape[1])
             before = method.inner.calls
             torch.testing.assert_close(method.apply(module, x), F.linear(x, module.weight))
             assert method.inner.calls == before + (rows not in (2, 3))
+    bias = torch.randn(24)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(model.qkv.quant_method.apply(model.qkv, x, bias), F.linear(x, model.qkv.weight, bias))
     ids = torch.tensor([1, 5])
     torch.testing.assert_close(model.lm_head.quant_method.embedding(model.lm_head, ids), model.lm_head.weight[ids])
-    assert add_row_major_copies(model, frozenset({2, 3}), available_bytes=2**30) == 0, "done once"
+    assert add_panels(model, range(2, 4), available_bytes=2**30) == 0, "done once"
 
 
-def test_no_row_major_copies_when_they_would_not_fit_or_no_rows_are_asked_for():
-    from sglang_dspark.kernels_cpu.gemm_layout import add_row_major_copies
+def test_no_panels_when_they_would_not_fit_or_no_rows_are_asked_for():
+    from sglang_dspark.kernels_cpu.gemm_layout import add_panels
 
     model = _hybrid_model()
     weights = sum(m.weight.numel() * 4 for m in (model.qkv, model.down, model.lm_head))
-    assert add_row_major_copies(model, frozenset({2, 3}), available_bytes=4 * weights - 4) == 0
-    assert add_row_major_copies(model, frozenset(), available_bytes=2**30) == 0
+    assert add_panels(model, range(2, 4), available_bytes=4 * weights - 4) == 0
+    assert add_panels(model, range(0), available_bytes=2**30) == 0
     assert all(type(m.quant_method).__name__ == "UnquantizedLinearMethod" for m in (model.qkv, model.down, model.lm_head))
+
+
+def test_a_machine_that_cannot_build_the_kernel_keeps_the_blas_layout_and_says_why(monkeypatch, caplog):
+    from sglang_dspark.kernels_cpu import gemm_layout
+    from sglang_dspark.kernels_cpu.panel_gemm import PanelKernelUnavailable
+
+    def no_kernel():
+        raise PanelKernelUnavailable("no C++ compiler found (install g++ or set CXX)")
+
+    monkeypatch.setattr(gemm_layout, "load_kernel", no_kernel)
+    model = _hybrid_model()
+    runner = type("Runner", (), {"device": "cpu", "model": model})()
+    with caplog.at_level("WARNING", logger=gemm_layout.__name__):
+        gemm_layout.after_load_model(None, runner)
+    assert "no weight panels, small batches use the BLAS (slower): no C++ compiler found" in caplog.text
+    assert all(type(m.quant_method).__name__ == "UnquantizedLinearMethod" for m in (model.qkv, model.down, model.lm_head))
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model.qkv.quant_method.apply(model.qkv, x), x @ model.qkv.weight.t())
+
+
+def test_pack_panels_refuses_what_the_kernel_cannot_read():
+    from sglang_dspark.kernels_cpu.panel_gemm import pack_panels
+
+    for bad in (torch.randn(4), torch.randn(4, 4, dtype=torch.float64), torch.randn(2, 2, 2)):
+        with pytest.raises(ValueError, match="needs a 2-D float32 or bfloat16 CPU weight"):
+            pack_panels(bad)

@@ -1,54 +1,60 @@
-"""Column-major float32 weights for SGLang's CPU linears: small-batch GEMMs 2-3x faster.
+"""CPU weight layouts for SGLang's linears: small batches stream each weight once.
 
 SGLang's CPU path without AMX runs every unquantized linear as `F.linear(x, W)` with `W` stored
-row-major `[out, in]`. For 4 to ~32 rows of `x` (a decode batch, or a verify window of a few
-requests) the BLAS picks a slow transposed-B path. Storing the same tensor column-major (the
-storage of `W.T`, seen through a transposed view, so shape, values and every consumer stay the
-same) sends those GEMMs to the fast path. Measured on this project's CPU (2 cores, AVX-512
-without AMX, MKL), SmolLM2-135M's linears plus lm_head per forward:
+row-major `[out, in]`. Two changes, applied after the model loads (`after_load_model`):
 
-| rows | 1 | 2 | 4 | 8 | 16 | 32 | 64 |
-|---|---|---|---|---|---|---|---|
-| row-major (SGLang) ms | 14.4 | 15.4 | 44.8 | 54.4 | 102.7 | 119.4 | 101.7 |
-| column-major ms | 14.9 | 19.2 | 19.5 | 22.2 | 32.1 | 56.2 | 96.4 |
-
-The same BLAS is faster row-major for 2-3 rows (a batch-1 verify of 1-2 drafts, or a decode
-batch of 2-3): all linears plus lm_head 31.9 / 33.1 ms row-major against 37.9 / 41.3 column-major,
-most of it in the lm_head. So by default (`auto`) each linear keeps a row-major copy as well,
-used for inputs of `DSPARK_CPU_ROW_MAJOR_ROWS` rows (default 2,3; `RowCountLayouts`): twice the
-float32 linear weights in memory, skipped when that would take over a quarter of the available
-memory. The row counts are fixed, not measured at load: servers that start together (a benchmark's
-arms) timed each other's loading and picked row-major for 4-6 rows, where it is 2x slower.
+1. **Column-major float32 weights** (`relayout_weights`): the storage of `W.T`, seen through a
+   transposed view, so shape, values and every consumer stay the same; MKL then takes its fast
+   path for 4 to ~32 rows (SmolLM2-135M's linears plus lm_head, ms per forward: 8 rows 54.4
+   row-major against 22.2 column-major; 64 rows 101.7 / 96.4).
+2. **Panels for small batches** (`add_panels`, `kernels_cpu.panel_gemm`): each linear (and the
+   lm_head) keeps a copy of its weight in 32-column panels, used for inputs of
+   `DSPARK_CPU_PANEL_ROWS` rows (default 2-32 for float32, every row count for bfloat16, where the
+   panels won: see `panel_gemm`'s table; a bf16 verify of 8 rows costs what one row costs instead
+   of 3x).
+   Twice the linear weights in memory, skipped when that would take over a quarter of the
+   available memory, and when the kernel cannot run here (no AVX-512F or no compiler: logged,
+   the BLAS layouts alone then serve).
 
 This is a property of the engine, not of speculation: the plugin applies it in every CPU server
 it is loaded into, plain serving included, so that benchmarks compare like with like. The lm_head
 is included (a tied input embedding then gathers rows from strided storage: ~3 ms per 1,000
-prompt tokens). `DSPARK_CPU_GEMM_LAYOUT=column` stores column-major only, `off` keeps SGLang's
-layout.
+prompt tokens). `DSPARK_CPU_GEMM_LAYOUT=column` stores float32 weights column-major only, `off`
+keeps SGLang's layout.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import torch
-import torch.nn.functional as F
+
+from sglang_dspark.kernels_cpu.panel_gemm import (SUPPORTED_DTYPES, PanelKernelUnavailable, load_kernel, pack_panels,
+                                                panel_linear)
 
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "column", "off")
-DEFAULT_ROW_MAJOR_ROWS = "2,3"
+# Where the panels beat MKL on this project's CPU (see panel_gemm's table): float32 from 2 to 32
+# rows; bfloat16 at every row count measured (1-512: 1.1-3.8x, MKL converts bf16 weights first).
+DEFAULT_PANEL_ROWS = {torch.float32: "2-32", torch.bfloat16: "1-"}
 LINEAR_METHOD = "UnquantizedLinearMethod"
 
 
-def row_major_rows_setting() -> frozenset[int]:
-    """`DSPARK_CPU_ROW_MAJOR_ROWS`: comma-separated row counts for the row-major copies ("" = none)."""
-    raw = os.environ.get("DSPARK_CPU_ROW_MAJOR_ROWS", DEFAULT_ROW_MAJOR_ROWS).strip()
-    parts = [part.strip() for part in raw.split(",") if part.strip()]
-    if not all(part.isdigit() and int(part) >= 1 for part in parts):
-        raise ValueError(f"DSPARK_CPU_ROW_MAJOR_ROWS={raw!r}: expected comma-separated row counts >= 1, e.g. 2,3")
-    return frozenset(int(part) for part in parts)
+def panel_rows_setting(dtype: torch.dtype) -> range:
+    """`DSPARK_CPU_PANEL_ROWS` ("LO-HI", "LO-" for no upper bound, or "" for none): the input row
+    counts the panels serve."""
+    raw = os.environ.get("DSPARK_CPU_PANEL_ROWS", DEFAULT_PANEL_ROWS.get(dtype, "")).strip()
+    if not raw:
+        return range(0)
+    low, dash, high = (part.strip() for part in raw.partition("-"))
+    high = high or (str(sys.maxsize) if dash else "")
+    if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
+        raise ValueError(f"DSPARK_CPU_PANEL_ROWS={raw!r}: expected a row range LO-HI (or LO- for no upper bound) "
+                         "with 1 <= LO <= HI, e.g. 2-32")
+    return range(int(low), int(high) + 1)
 
 
 def gemm_layout_mode() -> str:
@@ -62,14 +68,14 @@ def _column_major(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.t().is_contiguous()
 
 
-def _float32_cpu_matrix(weight) -> bool:
-    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == torch.float32
+def _cpu_matrix(weight, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in dtypes
             and weight.device.type == "cpu")
 
 
 def _eligible(weight) -> bool:
     """A float32 CPU matrix still stored row-major."""
-    return _float32_cpu_matrix(weight) and not _column_major(weight)
+    return _cpu_matrix(weight) and not _column_major(weight)
 
 
 def _target_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -95,22 +101,23 @@ def relayout_weights(model: torch.nn.Module) -> int:
     return count
 
 
-class RowCountLayouts:
-    """A layer's quant method that multiplies `row_major_rows`-row inputs by a row-major copy.
+class PanelLayouts:
+    """A layer's quant method that multiplies inputs of `rows` rows through panels of its weight.
 
-    Wraps SGLang's unquantized method (whose `apply` is `F.linear` on the column-major weight) and
-    forwards everything else to it (`embedding` of a tied lm_head, `create_weights`, ...). Its class
-    name is not one of SGLang's unquantized lm_head methods, so the logits processor calls `apply`
-    for the lm_head too. Both copies hold the same values."""
+    Wraps SGLang's unquantized method (whose `apply` is `F.linear`) and forwards everything else to
+    it (`embedding` of a tied lm_head, `create_weights`, ...). Its class name is not one of SGLang's
+    unquantized lm_head methods, so the logits processor calls `apply` for the lm_head too."""
 
-    def __init__(self, inner, row_major: torch.Tensor, row_major_rows: frozenset[int]) -> None:
+    def __init__(self, inner, panels: torch.Tensor, out_features: int, rows: range) -> None:
         self.inner = inner
-        self.row_major = row_major
-        self.row_major_rows = row_major_rows
+        self.panels = panels
+        self.out_features = out_features
+        self.rows = rows
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.numel() // x.shape[-1] in self.row_major_rows:
-            return F.linear(x.to(self.row_major.dtype), self.row_major, bias)
+        if x.numel() // x.shape[-1] in self.rows and x.dtype in SUPPORTED_DTYPES:
+            out = panel_linear(x, self.panels, self.out_features)
+            return out if bias is None else out + bias
         return self.inner.apply(layer, x, bias)
 
     def __getattr__(self, name: str):
@@ -131,27 +138,33 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def add_row_major_copies(model: torch.nn.Module, rows: frozenset[int], available_bytes: int | None = None) -> int:
-    """Give each column-major float32 linear (and lm_head) a `RowCountLayouts` method with a
-    row-major copy for inputs of `rows` rows. Returns how many layers got one; none when `rows` is
-    empty or the copies would take more than a quarter of `available_bytes` (default: the
-    machine's available memory)."""
+def add_panels(model: torch.nn.Module, rows: range | None = None, available_bytes: int | None = None) -> int:
+    """Give each float32/bfloat16 linear (and lm_head) a `PanelLayouts` method serving inputs of
+    `rows` rows (default: `DSPARK_CPU_PANEL_ROWS` for the weights' dtype). Returns how many layers
+    got one; none when no rows are asked for or the panels would take more than a quarter of
+    `available_bytes` (default: the machine's available memory). Raises `PanelKernelUnavailable`
+    when the kernel cannot run here."""
     modules = [m for m in _target_modules(model)
-               if _float32_cpu_matrix(getattr(m, "weight", None)) and _column_major(m.weight)
+               if _cpu_matrix(getattr(m, "weight", None), SUPPORTED_DTYPES)
                and getattr(m, "quant_method", None) is not None
-               and not isinstance(m.quant_method, RowCountLayouts)]
-    if not rows or not modules:
+               and not isinstance(m.quant_method, PanelLayouts)]
+    if not modules:
         return 0
+    if rows is None:
+        rows = panel_rows_setting(modules[0].weight.dtype)
+    if not rows:
+        return 0
+    load_kernel()
     extra = sum(m.weight.numel() * m.weight.element_size() for m in {id(m.weight): m for m in modules}.values())
     available = available_memory_bytes() if available_bytes is None else available_bytes
     if available is not None and extra > available // 4:
-        logger.info("sglang-dspark: no row-major copies (%.1f GB, over a quarter of the %.1f GB available)",
+        logger.info("sglang-dspark: no weight panels (%.1f GB, over a quarter of the %.1f GB available)",
                     extra / 2**30, available / 2**30)
         return 0
-    copies: dict[int, torch.Tensor] = {}
+    panels: dict[int, torch.Tensor] = {}
     for module in modules:
-        row_major = copies.setdefault(id(module.weight), module.weight.detach().contiguous())
-        module.quant_method = RowCountLayouts(module.quant_method, row_major, rows)
+        packed = panels.setdefault(id(module.weight), pack_panels(module.weight))
+        module.quant_method = PanelLayouts(module.quant_method, packed, module.weight.shape[0], rows)
     return len(modules)
 
 
@@ -174,8 +187,11 @@ def after_load_model(result, model_runner, *args, **kwargs):
     count = relayout_weights(model_runner.model)
     logger.info("sglang-dspark: %d float32 linear weights stored column-major (DSPARK_CPU_GEMM_LAYOUT=%s)", count, mode)
     if mode == "auto":
-        rows = row_major_rows_setting()
-        copies = add_row_major_copies(model_runner.model, rows)
-        logger.info("sglang-dspark: %d linears keep a row-major copy for inputs of %s rows "
-                    "(DSPARK_CPU_ROW_MAJOR_ROWS)", copies, sorted(rows))
+        try:
+            layers = add_panels(model_runner.model)
+        except PanelKernelUnavailable as error:
+            logger.warning("sglang-dspark: no weight panels, small batches use the BLAS (slower): %s", error)
+            return None
+        logger.info("sglang-dspark: %d linears multiply small batches through weight panels "
+                    "(DSPARK_CPU_PANEL_ROWS)", layers)
     return None
