@@ -252,7 +252,7 @@ def bench_serve_command(
                                          "produces the same tokens; the drafter never trained on text past the end "
                                          "of turn)."),
     prompts_per_domain: int = typer.Option(6, min=1, help="Eval prompts taken from each domain."),
-    dtype: str = typer.Option("float32", help="Same dtype for both arms."),
+    dtype: str = typer.Option("bfloat16", help="Same dtype for both arms."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     port: int = typer.Option(30100, help="Port of the server under test."),
     arms: str = typer.Option("plain,nodraft,dspark",
@@ -357,7 +357,7 @@ def sps_serve_command(
     concurrency: str = typer.Option("1,2,4,8,16", help="Batch sizes to sweep (concurrent requests)."),
     max_new_tokens: int = typer.Option(64, min=8, help="Output tokens per request (steps per wave)."),
     long_tokens: int = typer.Option(1200, min=16, help="Context of the long prompts."),
-    dtype: str = typer.Option("float32", help="The dtype the server will serve in."),
+    dtype: str = typer.Option("bfloat16", help="The dtype the server will serve in."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     port: int = typer.Option(30100, help="Port of the profiled server."),
     from_log: Path = typer.Option(None, "--from-log", help="Fit from this DSPARK_STEP_LOG file instead of running a sweep."),

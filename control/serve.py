@@ -31,7 +31,7 @@ class ServerLaunch:
     port: int = 30000
     host: str = "127.0.0.1"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "bfloat16"
     drafter_path: str | None = None
     overlap: bool = True
     max_total_tokens: int = 16384
@@ -150,7 +150,7 @@ def serve_command(
     port: int = typer.Option(30000, help="HTTP port."),
     host: str = typer.Option("127.0.0.1", help="Bind address."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
-    dtype: str = typer.Option("float32", help="Weights and activations dtype (float32: on a CPU without native bf16 math it serves faster and verifies drafts cheaper than bfloat16)."),
+    dtype: str = typer.Option("bfloat16", help="Weights and activations dtype (bfloat16: the plugin's weight panels stream half the bytes of float32, so on this CPU it serves faster and verifies drafts cheaper)."),
     overlap: bool = typer.Option(True, "--overlap/--no-overlap", help="SGLang overlap scheduling."),
     print_command: bool = typer.Option(False, "--print-command", help="Print the plain SGLang command, do not run."),
 ) -> None:

@@ -25,7 +25,7 @@ echo "drafter: $DRAFTER"
 
 SERVE=(env SGLANG_USE_CPU_ENGINE=1 "$PY" -m sglang.launch_server
        --model-path "$TARGET" --speculative-algorithm DSPARK_LIVE --speculative-draft-model-path "$DRAFTER"
-       --device cpu --dtype float32 --host 127.0.0.1 --port "$PORT"
+       --device cpu --dtype bfloat16 --host 127.0.0.1 --port "$PORT"
        --max-total-tokens 16384 --max-running-requests 16 --sleep-on-idle)
 echo "serving: ${SERVE[*]}"
 setsid "${SERVE[@]}" > "$RUN_DIR/server.log" 2>&1 &

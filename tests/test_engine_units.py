@@ -110,6 +110,25 @@ def test_settings_default_to_checkpoint_block_size_and_verify_all(tmp_path, monk
     assert (settings.gamma, settings.verify_window, settings.planner) == (4, 5, "all")
 
 
+def test_the_cost_model_for_the_served_dtype_wins_over_the_generic_one(tmp_path, monkeypatch):
+    """A drafter folder may ship one SPS table per dtype (bf16 and fp32 steps differ in shape on a
+    CPU without native bf16 math); the server picks the one for its --dtype, else sps.json, and an
+    explicit DSPARK_SPS_PATH beats both."""
+    for name in ("DSPARK_PLANNER", "DSPARK_SPS_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    folder = _draft_folder(tmp_path)
+    (folder / "sps.json").write_text("{}")
+    (folder / "sps-bfloat16.json").write_text("{}")
+    assert load_settings(folder, "bfloat16").sps_path == folder / "sps-bfloat16.json"
+    assert load_settings(folder, "float32").sps_path == folder / "sps.json"
+    assert load_settings(folder).sps_path == folder / "sps.json"
+    assert load_settings(folder, "bfloat16").planner == "production"
+    other = tmp_path / "other.json"
+    other.write_text("{}")
+    monkeypatch.setenv("DSPARK_SPS_PATH", str(other))
+    assert load_settings(folder, "bfloat16").sps_path == other
+
+
 @pytest.mark.parametrize("name,value,message", [
     ("DSPARK_GAMMA", "9", "between 1 and 4"),
     ("DSPARK_GAMMA", "two", "expected an integer"),

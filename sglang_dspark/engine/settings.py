@@ -7,7 +7,7 @@ process, with a clear error for a bad value:
 |---|---|---|
 | `DSPARK_GAMMA` | checkpoint `block_size` | drafts per block (1..block_size) |
 | `DSPARK_PLANNER` | `production` if an SPS table is found, else `all` | `all`: verify every draft; `production`: the draft width worth its measured cost, then early-stop verification in survival order (`scheduling.EarlyStopPlanner`), drafter skipped on steps where it cannot pay; `fixed:N`: verify N drafts per request; `sweep`: a measurement mode for `dspark-ctl bench sps-serve` (step s verifies s mod (gamma+1) drafts per request) |
-| `DSPARK_SPS_PATH` | `<draft>/sps.json` if present | cost model JSON (`scheduling.load_cost_model`) |
+| `DSPARK_SPS_PATH` | `<draft>/sps-<dtype>.json`, else `<draft>/sps.json`, if present | cost model JSON (`scheduling.load_cost_model`) |
 | `DSPARK_STS_PATH` | `<draft>/sts.json` if present | STS temperatures JSON (`calibration.StsCalibration`) |
 | `DSPARK_STS_GREEDY_PATH` | `<draft>/sts-greedy.json` if present | STS calibration for greedy requests (a greedy draft survives by argmax match, a different event from sampled acceptance, so one calibration does not fit both); without it greedy requests use `DSPARK_STS_PATH` |
 | `DSPARK_RECORDS` | 2048 | per-step records kept in memory (bounded ring) |
@@ -90,15 +90,26 @@ def read_draft_config(draft_path: str | Path) -> dict:
     return json.loads(config_file.read_text())
 
 
-def load_settings(draft_path: str | Path) -> LiveSettings:
-    """Resolve every knob for the drafter at `draft_path`."""
+def default_sps_file(draft_path: Path, dtype: str | None) -> Path:
+    """`<draft>/sps-<dtype>.json` when the folder has a cost model for the served dtype (the step's
+    shape differs by dtype: on a CPU without native bf16 math, bf16 weights stream twice as fast),
+    else `<draft>/sps.json`."""
+    if dtype:
+        specific = draft_path / f"sps-{dtype}.json"
+        if specific.is_file():
+            return specific
+    return draft_path / "sps.json"
+
+
+def load_settings(draft_path: str | Path, dtype: str | None = None) -> LiveSettings:
+    """Resolve every knob for the drafter at `draft_path`, served in `dtype` (SGLang's --dtype)."""
     draft_path = Path(draft_path)
     config = read_draft_config(draft_path)
     block_size = config.get("block_size") or (config.get("dflash_config") or {}).get("block_size")
     if not isinstance(block_size, int) or block_size < 1:
         raise SettingsError(f"{draft_path}/config.json: block_size={block_size!r}, expected a positive integer")
     gamma = _int_env("DSPARK_GAMMA", block_size, 1, block_size)
-    sps_path = _optional_file("DSPARK_SPS_PATH", draft_path / "sps.json")
+    sps_path = _optional_file("DSPARK_SPS_PATH", default_sps_file(draft_path, dtype))
     sts_path = _optional_file("DSPARK_STS_PATH", draft_path / "sts.json")
     sts_greedy_path = _optional_file("DSPARK_STS_GREEDY_PATH", draft_path / "sts-greedy.json")
     planner_raw = os.environ.get("DSPARK_PLANNER", "").strip().lower() or ("production" if sps_path else "all")
