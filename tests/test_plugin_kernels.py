@@ -259,3 +259,28 @@ def test_pack_panels_refuses_what_the_kernel_cannot_read():
     for bad in (torch.randn(4), torch.randn(4, 4, dtype=torch.float64), torch.randn(2, 2, 2)):
         with pytest.raises(ValueError, match="needs a 2-D float32 or bfloat16 CPU weight"):
             pack_panels(bad)
+
+
+def test_a_fresh_cache_builds_the_kernel_once_and_reuses_it(tmp_path):
+    """What a new machine does on the first server start: compile into $DSPARK_CACHE/kernels/,
+    then load the same library in the next process without compiling again."""
+    script = textwrap.dedent("""
+        import time, torch
+        from sglang_dspark.kernels_cpu.panel_gemm import pack_panels, panel_linear
+        weight, x = torch.randn(40, 24), torch.randn(3, 24)
+        torch.testing.assert_close(panel_linear(x, pack_panels(weight), 40), x @ weight.t())
+        print("OK")
+    """)
+    env = {**os.environ, "DSPARK_CACHE": str(tmp_path)}
+
+    def run_and_find_library():
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.strip() == "OK"
+        libraries = list((tmp_path / "kernels").glob("panel_gemm-*.so"))
+        assert len(libraries) == 1, libraries
+        return libraries[0], libraries[0].stat().st_mtime_ns
+
+    first = run_and_find_library()
+    assert run_and_find_library() == first, "the second process rebuilt the kernel"
+    assert not [p for p in (tmp_path / "kernels").iterdir() if p.is_dir()], "a scratch build folder was left behind"
