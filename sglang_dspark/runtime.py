@@ -14,12 +14,16 @@ def set_torch_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX); without it torch converts
-    bf16 to fp32 around every matmul, and small bf16 models run slower than fp32 ones."""
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's feature flags (`avx512f`, `amx_bf16`, ...); empty where /proc/cpuinfo is missing."""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return any(flag in flags for flag in NATIVE_BF16_CPU_FLAGS)
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX); without it torch converts
+    bf16 to fp32 around every matmul, and small bf16 models run slower than fp32 ones."""
+    return any(flag in cpu_flags(cpuinfo) for flag in NATIVE_BF16_CPU_FLAGS)

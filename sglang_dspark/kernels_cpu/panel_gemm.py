@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from sglang_dspark.runtime import cpu_flags
 from sglang_dspark.training.prepare import cache_root
 
 SOURCE = Path(__file__).with_name("panel_gemm.cpp")
@@ -50,14 +51,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 class PanelKernelUnavailable(RuntimeError):
     """The panel kernel cannot run here (no AVX-512F, no compiler, or the build failed)."""
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
 def _compiler() -> str:
@@ -82,9 +75,9 @@ def _build(library: Path) -> None:
 @functools.cache
 def load_kernel() -> ctypes.CDLL:
     """The compiled kernel, built on first use; raises `PanelKernelUnavailable` with the reason."""
-    if platform.machine() not in ("x86_64", "AMD64") or "avx512f" not in _cpu_flags():
+    if platform.machine() not in ("x86_64", "AMD64") or "avx512f" not in cpu_flags():
         raise PanelKernelUnavailable("the CPU lacks AVX-512F")
-    key = hashlib.sha256(SOURCE.read_bytes() + platform.node().encode() + str(sorted(_cpu_flags())).encode())
+    key = hashlib.sha256(SOURCE.read_bytes() + str(sorted(cpu_flags())).encode())  # -march=native: per CPU
     library = cache_root() / "kernels" / f"panel_gemm-{key.hexdigest()[:16]}.so"
     if not library.exists():
         _build(library)
@@ -96,15 +89,6 @@ def load_kernel() -> ctypes.CDLL:
     if kernel.dspark_panel_width() != PANEL_WIDTH:
         raise PanelKernelUnavailable(f"{library} has panels of {kernel.dspark_panel_width()}, expected {PANEL_WIDTH}")
     return kernel
-
-
-def kernel_unavailable_reason() -> str | None:
-    """None when the kernel loads, else why not."""
-    try:
-        load_kernel()
-    except PanelKernelUnavailable as error:
-        return str(error)
-    return None
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
