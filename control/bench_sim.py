@@ -1,5 +1,5 @@
-"""`dspark-ctl bench sim | planner | sps-cpu`: the serving simulator, the planner's speed, and
-the CPU cost-model measurement.
+"""`dspark-ctl bench sim | planner | sps-cpu | gemm`: the serving simulator, the planner's speed,
+the CPU cost-model measurement, and the CPU linears (BLAS against weight panels).
 
 The torch work lives in `sglang_dspark.scheduling`, imported inside each command body, so
 `import dspark_ctl` stays light and control/ never imports torch itself.
@@ -263,3 +263,45 @@ def register(bench_app: typer.Typer) -> None:
     bench_app.command("sim")(sim)
     bench_app.command("planner")(planner)
     bench_app.command("sps-cpu")(sps_cpu)
+    bench_app.command("gemm")(gemm)
+
+
+def gemm(
+    dtype: str = typer.Option("bfloat16", help="float32 or bfloat16 weights and inputs."),
+    rows: str = typer.Option("1,2,4,8,16,32", help="Comma-separated input row counts."),
+    repeats: int = typer.Option(7, min=1, help="Forwards per row count and path (the median is reported)."),
+    threads: int = typer.Option(2, min=1, help="torch intra-op threads (the kernel uses the same)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Time SmolLM2-135M's linears plus lm_head per forward: the BLAS against the weight panels.
+
+    The plugin's CPU layouts: column-major float32 / bf16 as loaded for the BLAS, 32-column panels
+    for the kernel (`sglang_dspark.kernels_cpu.panel_gemm`); random weights of the model's shapes,
+    every layer streamed in turn as in serving, the two paths alternating."""
+    import torch
+
+    from sglang_dspark.kernels_cpu.gemm_bench import time_linears
+    from sglang_dspark.kernels_cpu.panel_gemm import PanelKernelUnavailable
+    from sglang_dspark.runtime import set_torch_threads
+
+    if dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    set_torch_threads(threads)
+    try:
+        timings = time_linears(_parse_ints(rows, "--rows"), getattr(torch, dtype), repeats=repeats)
+    except PanelKernelUnavailable as error:
+        typer.echo(f"error: the panel kernel cannot run here: {error}", err=True)
+        raise typer.Exit(code=1) from None
+    report = {"dtype": dtype, "threads": threads, "repeats": repeats, "timings": [t.to_json() for t in timings]}
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"SmolLM2-135M linears + lm_head per forward, {dtype}, {threads} threads (ms)")
+    for column in ("rows", "BLAS", "panels", "BLAS / panels"):
+        table.add_column(column, justify="right")
+    for t in timings:
+        table.add_row(str(t.rows), f"{t.blas_ms:.1f}", f"{t.panels_ms:.1f}", f"{t.speedup:.2f}x")
+    Console().print(table)

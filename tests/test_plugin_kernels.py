@@ -284,3 +284,25 @@ def test_a_fresh_cache_builds_the_kernel_once_and_reuses_it(tmp_path):
     first = run_and_find_library()
     assert run_and_find_library() == first, "the second process rebuilt the kernel"
     assert not [p for p in (tmp_path / "kernels").iterdir() if p.is_dir()], "a scratch build folder was left behind"
+
+
+def test_the_gemm_benchmark_times_both_paths_for_every_row_count():
+    from sglang_dspark.kernels_cpu.gemm_bench import time_linears
+
+    timings = time_linears([1, 3], torch.bfloat16, layer_shapes=((16, 40), (40, 16)), layers=2, head=(16, 70),
+                           repeats=2)
+    assert [t.rows for t in timings] == [1, 3]
+    assert all(t.blas_ms > 0 and t.panels_ms > 0 for t in timings)
+    assert timings[0].to_json()["speedup"] == round(timings[0].blas_ms / timings[0].panels_ms, 3)
+
+
+def test_dspark_ctl_bench_gemm_refuses_an_unknown_dtype_or_row_count():
+    from typer.testing import CliRunner
+
+    from dspark_ctl.cli import app
+
+    for arguments, message in ((["--dtype", "float16"], "must be float32 or bfloat16"),
+                               (["--rows", "1,zero"], "must be comma-separated integers")):
+        result = CliRunner().invoke(app, ["bench", "gemm", *arguments])
+        assert result.exit_code == 2, result.output
+        assert message in result.output

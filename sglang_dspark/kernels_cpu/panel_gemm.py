@@ -5,18 +5,19 @@ the weight from memory once for one row, but for 2-32 rows it picks paths that c
 and its bf16 GEMM on a CPU without native bf16 math converts the weight first (3x slower at 8
 rows). This kernel stores each `[out, in]` weight as 32-column panels `[P][in][32]` (float32, or
 bfloat16 widened in registers), streams each panel once per call and reuses it from L2 for every
-8 rows. SmolLM2-135M's linears plus lm_head on this project's CPU (2 cores, AVX-512, no AMX),
-medians of 9 (the model's weights do not fit in cache):
+8 rows. SmolLM2-135M's linears plus lm_head per forward on this project's CPU (2 cores, AVX-512,
+no AMX), `dspark-ctl bench gemm` (medians of 7, the two paths alternating; the model's weights do
+not fit in cache, and the VM's speed drifts between runs):
 
-| rows | 1 | 2 | 4 | 8 | 16 | 32 | 128 | 512 |
-|---|---|---|---|---|---|---|---|---|
-| MKL float32, column-major, ms | 28.4 | 39.7 | 49.1 | 59.2 | 77.6 | 97.4 | | |
-| panels float32 ms | 35.2 | 35.0 | 38.6 | 40.1 | 50.3 | 71.7 | | |
-| MKL bfloat16 ms | 26.1 | 42.2 | 60.0 | 77.4 | 126.7 | 207.0 | 628.5 | 2313.6 |
-| panels bfloat16 ms | 24.2 | 25.0 | 19.0 | 23.1 | 37.3 | 79.9 | 164.0 | 857.8 |
+| rows | 1 | 2 | 4 | 8 | 16 | 32 | 64 |
+|---|---|---|---|---|---|---|---|
+| MKL bfloat16 ms | 24.8 | 42.9 | 65.1 | 77.0 | 130.0 | 204.4 | |
+| panels bfloat16 ms | 16.2 | 16.7 | 19.1 | 21.4 | 34.6 | 60.6 | |
+| MKL float32 (column-major) ms | 40.5 | 37.8 | | 45.8 | | 71.2 | 110.0 |
+| panels float32 ms | 46.5 | 30.0 | | 33.9 | | 58.0 | 93.1 |
 
-(through `panel_linear`, whose Python and ctypes overhead is ~25 us a call; the bare kernel does
-one bf16 row in 12.5 ms and 8 in 15.6.)
+In bf16 the panels also won at 128 and 512 rows (164 / 858 ms against 629 / 2314), so they serve
+every bf16 batch, prefills included.
 
 Each output element sums over the input dimension in the same order whatever the number of rows,
 so a row's result does not depend on the rows beside it: a verify window reproduces the one-token
