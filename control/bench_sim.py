@@ -278,17 +278,16 @@ def gemm(
     The plugin's CPU layouts: column-major float32 / bf16 as loaded for the BLAS, 32-column panels
     for the kernel (`sglang_dspark.kernels_cpu.panel_gemm`); random weights of the model's shapes,
     every layer streamed in turn as in serving, the two paths alternating."""
-    import torch
-
+    row_counts = _parse_ints(rows, "--rows")
     from sglang_dspark.kernels_cpu.gemm_bench import time_linears
     from sglang_dspark.kernels_cpu.panel_gemm import PanelKernelUnavailable
     from sglang_dspark.runtime import set_torch_threads
 
-    if dtype not in ("float32", "bfloat16"):
-        raise typer.BadParameter(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     set_torch_threads(threads)
     try:
-        timings = time_linears(_parse_ints(rows, "--rows"), getattr(torch, dtype), repeats=repeats)
+        timings = time_linears(row_counts, dtype, repeats=repeats)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--dtype") from None
     except PanelKernelUnavailable as error:
         typer.echo(f"error: the panel kernel cannot run here: {error}", err=True)
         raise typer.Exit(code=1) from None

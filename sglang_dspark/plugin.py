@@ -3,8 +3,8 @@
 `register()` (1) installs the pure-torch `sgl_kernel` stand-in when SGLang's CPU engine is requested
 and the CUDA-only PyPI build cannot load, (2) on the CPU engine, lays out the target's linear
 weights for small batches after loading (`kernels_cpu.gemm_layout`: column-major float32 and
-weight panels, 2-4x faster 2-32-row GEMMs, in plain and speculative servers alike), and (3) registers the speculative algorithm
-`DSPARK_LIVE` (overlap-capable, V2 result schema). Serving then needs only:
+weight panels, 2-4x faster 2-32-row GEMMs, in plain and speculative servers alike), and (3)
+registers the speculative algorithm `DSPARK_LIVE` (overlap-capable, V2 result schema). Serving then needs only:
 
     SGLANG_USE_CPU_ENGINE=1 python -m sglang.launch_server --device cpu \
         --model-path TARGET --speculative-algorithm DSPARK_LIVE --speculative-draft-model-path DRAFTER

@@ -289,7 +289,7 @@ def test_a_fresh_cache_builds_the_kernel_once_and_reuses_it(tmp_path):
 def test_the_gemm_benchmark_times_both_paths_for_every_row_count():
     from sglang_dspark.kernels_cpu.gemm_bench import time_linears
 
-    timings = time_linears([1, 3], torch.bfloat16, layer_shapes=((16, 40), (40, 16)), layers=2, head=(16, 70),
+    timings = time_linears([1, 3], "bfloat16", layer_shapes=((16, 40), (40, 16)), layers=2, head=(16, 70),
                            repeats=2)
     assert [t.rows for t in timings] == [1, 3]
     assert all(t.blas_ms > 0 and t.panels_ms > 0 for t in timings)
@@ -301,7 +301,7 @@ def test_dspark_ctl_bench_gemm_refuses_an_unknown_dtype_or_row_count():
 
     from dspark_ctl.cli import app
 
-    for arguments, message in ((["--dtype", "float16"], "must be float32 or bfloat16"),
+    for arguments, message in ((["--dtype", "float16"], "dtype must be float32 or bfloat16"),
                                (["--rows", "1,zero"], "must be comma-separated integers")):
         result = CliRunner().invoke(app, ["bench", "gemm", *arguments])
         assert result.exit_code == 2, result.output

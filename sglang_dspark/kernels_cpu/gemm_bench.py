@@ -41,9 +41,13 @@ def _blas_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous().t() if weight.dtype == torch.float32 else weight
 
 
-def time_linears(rows: list[int], dtype: torch.dtype, layer_shapes=SMOLLM2_LAYER_SHAPES,
+def time_linears(rows: list[int], dtype_name: str, layer_shapes=SMOLLM2_LAYER_SHAPES,
                  layers: int = SMOLLM2_LAYERS, head=SMOLLM2_HEAD, repeats: int = 7) -> list[GemmTiming]:
-    """Milliseconds per forward (every layer's linears plus the head) for each row count."""
+    """Milliseconds per forward (every layer's linears plus the head) for each row count, in
+    `dtype_name` ("float32" or "bfloat16": the callers, control/ included, need no torch)."""
+    if dtype_name not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype_name!r}")
+    dtype = getattr(torch, dtype_name)
     generator = torch.Generator().manual_seed(0)
     shapes = [shape for _ in range(layers) for shape in layer_shapes] + ([head] if head else [])
     weights = [torch.randn(n, k, generator=generator).to(dtype) for k, n in shapes]
