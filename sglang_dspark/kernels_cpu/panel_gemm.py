@@ -32,63 +32,34 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from sglang_dspark.runtime import cpu_flags
-from sglang_dspark.training.prepare import cache_root
+from sglang_dspark.kernels_cpu.build import KernelUnavailable, load_library
 
 SOURCE = Path(__file__).with_name("panel_gemm.cpp")
 PANEL_WIDTH = 32
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-class PanelKernelUnavailable(RuntimeError):
+class PanelKernelUnavailable(KernelUnavailable):
     """The panel kernel cannot run here (no AVX-512F, no compiler, or the build failed)."""
-
-
-def _compiler() -> str:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not compiler:
-        raise PanelKernelUnavailable("no C++ compiler found (install g++ or set CXX)")
-    return compiler
-
-
-def _build(library: Path) -> None:
-    """Compile the kernel into `library`, atomically (servers that start together may race)."""
-    command = [_compiler(), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE)]
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-        output = Path(scratch) / library.name
-        result = subprocess.run([*command, "-o", str(output)], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise PanelKernelUnavailable(f"building {SOURCE.name} failed: {result.stderr.strip()[:2000]}")
-        os.replace(output, library)
 
 
 @functools.cache
 def load_kernel() -> ctypes.CDLL:
     """The compiled kernel, built on first use; raises `PanelKernelUnavailable` with the reason."""
-    if platform.machine() not in ("x86_64", "AMD64") or "avx512f" not in cpu_flags():
-        raise PanelKernelUnavailable("the CPU lacks AVX-512F")
-    key = hashlib.sha256(SOURCE.read_bytes() + str(sorted(cpu_flags())).encode())  # -march=native: per CPU
-    library = cache_root() / "kernels" / f"panel_gemm-{key.hexdigest()[:16]}.so"
-    if not library.exists():
-        _build(library)
-    kernel = ctypes.CDLL(str(library))
+    try:
+        kernel = load_library(SOURCE)
+    except KernelUnavailable as error:
+        raise PanelKernelUnavailable(str(error)) from error
     kernel.dspark_panel_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                                          ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
                                          ctypes.c_int, ctypes.c_int]
     kernel.dspark_panel_gemm.restype = None
     if kernel.dspark_panel_width() != PANEL_WIDTH:
-        raise PanelKernelUnavailable(f"{library} has panels of {kernel.dspark_panel_width()}, expected {PANEL_WIDTH}")
+        raise PanelKernelUnavailable(f"{kernel._name} has panels of {kernel.dspark_panel_width()}, expected {PANEL_WIDTH}")
     return kernel
 
 

@@ -1,0 +1,57 @@
+"""Compile and load this package's C++ CPU kernels (`*.cpp` beside this file) on first use.
+
+Each kernel is built with `g++ -O3 -march=native -fopenmp` (or `$CXX`) into
+`$DSPARK_CACHE/kernels/<name>-<hash>.so`, where the hash covers the source and the CPU's feature
+flags (`-march=native` code only depends on the CPU), then loaded with ctypes. The libraries link
+libgomp, which resolves to the copy torch already loaded, so the kernels share torch's OpenMP
+threads. Builds are atomic renames: servers that start together may both build, never half-read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from sglang_dspark.runtime import cpu_flags
+from sglang_dspark.training.prepare import cache_root
+
+
+class KernelUnavailable(RuntimeError):
+    """A kernel cannot run here (no AVX-512F, no compiler, or the build failed); says which."""
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise KernelUnavailable("no C++ compiler found (install g++ or set CXX)")
+    return compiler
+
+
+def _build(source: Path, library: Path) -> None:
+    command = [_compiler(), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(source)]
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        output = Path(scratch) / library.name
+        result = subprocess.run([*command, "-o", str(output)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelUnavailable(f"building {source.name} failed: {result.stderr.strip()[:2000]}")
+        os.replace(output, library)
+
+
+def load_library(source: Path) -> ctypes.CDLL:
+    """The compiled `source` (built into the cache if absent); raises `KernelUnavailable`.
+
+    The kernels use AVX-512F intrinsics, so a CPU without them gets the reason, not a crash."""
+    if platform.machine() not in ("x86_64", "AMD64") or "avx512f" not in cpu_flags():
+        raise KernelUnavailable("the CPU lacks AVX-512F")
+    key = hashlib.sha256(source.read_bytes() + str(sorted(cpu_flags())).encode())
+    library = cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if not library.exists():
+        _build(source, library)
+    return ctypes.CDLL(str(library))
