@@ -80,15 +80,18 @@ def test_greedy_output_equals_plain_serving_for_8_concurrent_requests(servers, b
         assert window_widths == {5}
 
 
-def test_plain_and_speculative_cpu_servers_get_the_same_gemm_layouts(servers):
-    """The plugin lays out the target's weights in every CPU server it is loaded into, plain ones
+def test_plain_and_speculative_cpu_servers_get_the_same_cpu_kernels(servers):
+    """The plugin lays out the target's weights and routes decode/verify attention, RMSNorm and
+    rotary embedding through its kernels in every CPU server it is loaded into, plain ones
     included, so that the greedy equality above also holds across the two paths (1 and 33+ rows
-    column-major through the BLAS, 2-32 rows through the weight panels) and benchmarks compare like
-    with like."""
+    column-major through the BLAS, 2-32 rows through the weight panels; verify rows attend exactly
+    like decode rows) and benchmarks compare like with like."""
     for name in ("baseline", "dspark_overlap"):
         log = servers[name].log_path.read_text(errors="replace")
         assert re.search(r"[1-9]\d* float32 linear weights stored column-major", log), name
         assert re.search(r"[1-9]\d* linears multiply small batches through weight panels", log), name
+        assert "decode and verify attention read the KV cache in place" in log, name
+        assert "RMSNorm and rotary embedding run as one kernel call each" in log, name
 
 
 def test_a_drafter_not_worth_its_cost_is_skipped_and_output_stays_exact(servers, baseline_outputs, server_pool):

@@ -2,10 +2,18 @@
 
 The stock `TorchNativeAttnBackend.forward_extend` pads every request's queries to its whole KV
 length and runs causal SDPA over it, so a verify of w tokens after L context tokens costs
-O(L^2). A verify only needs the w new queries against the L + w keys: SDPA with q_len = w and an
-offset causal mask (query t sees keys 0..L+t), i.e. O(w * L), the same order as w decode steps'
-attention. `install(backend)` wraps the backend instance; every non-verify forward goes to the
-original method unchanged.
+O(L^2). A verify only needs the w new queries against the L + w keys (query t sees keys
+0..L+t), i.e. O(w * L), the same order as w decode steps' attention. Two ways to compute it:
+
+- the paged kernel (`kernels_cpu.paged_attention`, the default where it fits and builds): reads
+  the keys in place, and each window row computes exactly what the decode step seeing the same
+  keys computes (the plugin routes decode attention through the same kernel), so speculation
+  changes no bit of a greedy answer, in bfloat16 too;
+- SDPA over the gathered keys with an offset causal mask (`DSPARK_CPU_ATTENTION=sdpa`, or where
+  the kernel does not fit or build).
+
+`install(backend)` wraps the backend instance; every non-verify forward goes to the original
+method unchanged.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from sglang_dspark.kernels_cpu.cpu_attention import attend_in_place, layer_fits, plain_self_attention
+from sglang_dspark.kernels_cpu.paged_attention import LayoutPerForward
 
 
 def verify_spans(forward_batch) -> list[tuple[int, int]] | None:
@@ -109,47 +119,37 @@ def verify_attention(
 
 
 def install(backend) -> None:
-    """Route TARGET_VERIFY forwards of `backend` (a TorchNativeAttnBackend) through `verify_attention`.
-
-    The layout is built by the first layer of each verify forward and reused by the others: layer
-    ids rise within a forward, so a layer id not above the last one served starts a new forward
-    (the ForwardBatch object itself may be a static buffer reused across steps)."""
+    """Route TARGET_VERIFY forwards of `backend` (a TorchNativeAttnBackend) through the linear
+    verify attention; layouts are built by the first layer of each verify forward and reused by
+    the others (`LayoutPerForward`)."""
     if getattr(backend, "_dspark_linear_verify", False):
         return
     original_forward_extend = backend.forward_extend
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         spans = verify_spans(forward_batch)
-        plain_layer = not layer.is_cross_attention and layer.qk_head_dim == layer.v_head_dim and (
-            layer.sliding_window_size is None or layer.sliding_window_size < 0)
-        if spans is None or not plain_layer:
+        if spans is None or not plain_self_attention(layer):
             return original_forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         self.dspark_linear_verify_calls += 1
         if save_kv_cache and k is not None and v is not None:
             from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        if layer_fits(layer, q.dtype, k_cache.dtype):
+            return attend_in_place(self, q, layer, forward_batch, self._dspark_kernel_layouts, verify_spans)
         group = layer.tp_q_head_num // layer.tp_k_head_num
-        layout = self._dspark_layout
-        if (layout is None or layer.layer_id <= self._dspark_layout_layer or layout.group != group
-                or layout.dtype != q.dtype):
-            self._dspark_layout = VerifyLayout.build(
-                self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices.tolist(), spans,
-                group=group, dtype=q.dtype)
-        self._dspark_layout_layer = layer.layer_id
-        out = verify_attention(
-            q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            self._dspark_layout,
-            layer.scaling,
-        )
+        layout = self._dspark_sdpa_layouts.get(layer.layer_id, lambda: VerifyLayout.build(
+            self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices.tolist(), spans,
+            group=group, dtype=q.dtype))
+        out = verify_attention(q.view(-1, layer.tp_q_head_num, layer.qk_head_dim), k_cache,
+                               self.token_to_kv_pool.get_value_buffer(layer.layer_id), layout, layer.scaling)
         return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 
     backend.forward_extend = types.MethodType(forward_extend, backend)
     backend._dspark_linear_verify = True
-    backend._dspark_layout = None
-    backend._dspark_layout_layer = -1
+    backend._dspark_kernel_layouts = LayoutPerForward()
+    backend._dspark_sdpa_layouts = LayoutPerForward()
     backend.dspark_linear_verify_calls = 0
 
 

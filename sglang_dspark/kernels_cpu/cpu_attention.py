@@ -1,0 +1,94 @@
+"""Decode attention of SGLang's `torch_native` backend through the paged kernel (`paged_attention`).
+
+An AROUND hook on `TorchNativeAttnBackend.forward_decode` (registered by the plugin in every CPU
+server, plain serving included, so benchmarks compare like with like). A decode step is a window
+of one query per request over its whole sequence; the same kernel serves DSPARK_LIVE's verify
+windows (`engine.verify_attention`), so a verify row and the decode step it replaces compute the
+same bits. Layers the kernel does not fit (sliding window, cross attention, other head sizes or
+dtypes) keep SGLang's own decode.
+
+`DSPARK_CPU_ATTENTION`: `kernel` (default) or `sdpa` (SGLang's decode; DSPARK_LIVE verifies with
+SDPA over gathered keys). Where the kernel cannot be built (no AVX-512F or no compiler) the server
+logs why once and serves as with `sdpa`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from sglang_dspark.kernels_cpu.build import KernelUnavailable
+from sglang_dspark.kernels_cpu.paged_attention import KeyLayout, LayoutPerForward, kernel_fits, load_attention_kernel, paged_attention
+
+logger = logging.getLogger(__name__)
+
+MODES = ("kernel", "sdpa")
+DECODE_TARGET = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode"
+
+
+def attention_mode() -> str:
+    mode = os.environ.get("DSPARK_CPU_ATTENTION", "kernel").strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"DSPARK_CPU_ATTENTION={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
+@functools.cache
+def kernel_enabled() -> bool:
+    """`DSPARK_CPU_ATTENTION=kernel` and the kernel loads here (why not is logged once)."""
+    if attention_mode() != "kernel":
+        return False
+    try:
+        load_attention_kernel()
+    except KernelUnavailable as error:
+        logger.warning("sglang-dspark: no paged attention kernel, SGLang's decode attention serves (slower): %s", error)
+        return False
+    logger.info("sglang-dspark: decode and verify attention read the KV cache in place (DSPARK_CPU_ATTENTION=kernel)")
+    return True
+
+
+def plain_self_attention(layer) -> bool:
+    """A layer the kernel can serve: self-attention, equal q/k and v head sizes, no sliding window."""
+    return (not layer.is_cross_attention and layer.qk_head_dim == layer.v_head_dim
+            and (layer.sliding_window_size is None or layer.sliding_window_size < 0))
+
+
+def layer_fits(layer, query_dtype, cache_dtype) -> bool:
+    group = layer.tp_q_head_num // layer.tp_k_head_num
+    return (kernel_enabled() and plain_self_attention(layer) and layer.tp_q_head_num % layer.tp_k_head_num == 0
+            and kernel_fits(query_dtype, cache_dtype, layer.qk_head_dim, group))
+
+
+def attend_in_place(backend, q, layer, forward_batch, layouts: LayoutPerForward, spans_of) -> torch.Tensor:
+    """The kernel over `backend`'s cache for `layer`; `spans_of(forward_batch)` gives the
+    (prefix, window) spans, built into a layout once per forward."""
+    k_cache = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    layout = layouts.get(layer.layer_id, lambda: KeyLayout.build(
+        backend.req_to_token_pool.req_to_token, forward_batch.req_pool_indices.tolist(), spans_of(forward_batch),
+        cache_rows=k_cache.shape[0]))
+    out = paged_attention(q.view(-1, layer.tp_q_head_num, layer.qk_head_dim), k_cache,
+                          backend.token_to_kv_pool.get_value_buffer(layer.layer_id), layout, layer.scaling)
+    return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+
+def decode_spans(forward_batch) -> list[tuple[int, int]]:
+    """A decode step's query is the last of each sequence (its KV is written before attention)."""
+    seq_lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
+    return [(int(length) - 1, 1) for length in seq_lens.tolist()]
+
+
+def around_forward_decode(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    """AROUND hook: decode through the kernel where it fits, else SGLang's own decode."""
+    if (kwargs or forward_batch.encoder_lens is not None
+            or not layer_fits(layer, q.dtype, backend.token_to_kv_pool.get_key_buffer(layer.layer_id).dtype)):
+        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    if save_kv_cache and k is not None and v is not None:
+        backend.token_to_kv_pool.set_kv_buffer(
+            layer, KVWriteLoc(forward_batch.out_cache_loc, getattr(backend, "swa_out_cache_loc", None)), k, v)
+    layouts = backend.__dict__.setdefault("_dspark_decode_layouts", LayoutPerForward())
+    return attend_in_place(backend, q, layer, forward_batch, layouts, decode_spans)

@@ -1,0 +1,76 @@
+"""SGLang's RMSNorm and rotary embedding on CPU through `layer_ops` (AROUND hooks on `forward_native`).
+
+Registered by the plugin in every CPU server, plain serving included. A call the kernels do not
+fit (a variance or dtype override, a float32 residual, a GPT-J rotary, offsets, another device)
+goes to SGLang's own `forward_native` unchanged.
+
+`DSPARK_CPU_LAYER_OPS`: `kernel` (default) or `torch` (SGLang's ops). Where the kernels cannot be
+built (no AVX-512F or no compiler) the server logs why once and serves as with `torch`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+from sglang_dspark.kernels_cpu.build import KernelUnavailable
+from sglang_dspark.kernels_cpu.layer_ops import (add_rmsnorm, load_layer_ops, rmsnorm_input_fits, rmsnorm_weight_fits,
+                                                rope_fits, rope_neox)
+
+logger = logging.getLogger(__name__)
+
+MODES = ("kernel", "torch")
+RMSNORM_TARGET = "sglang.srt.layers.layernorm.RMSNorm.forward_native"
+ROTARY_TARGET = "sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.forward_native"
+
+
+def layer_ops_mode() -> str:
+    mode = os.environ.get("DSPARK_CPU_LAYER_OPS", "kernel").strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"DSPARK_CPU_LAYER_OPS={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
+@functools.cache
+def kernels_enabled() -> bool:
+    """`DSPARK_CPU_LAYER_OPS=kernel` and the kernels load here (why not is logged once)."""
+    if layer_ops_mode() != "kernel":
+        return False
+    try:
+        load_layer_ops()
+    except KernelUnavailable as error:
+        logger.warning("sglang-dspark: no layer-op kernels, SGLang's torch RMSNorm and rotary serve (slower): %s", error)
+        return False
+    logger.info("sglang-dspark: RMSNorm and rotary embedding run as one kernel call each (DSPARK_CPU_LAYER_OPS=kernel)")
+    return True
+
+
+def _kernel_serves_norm(norm) -> bool:
+    """Decided once per RMSNorm module: no variance or dtype override, no float32 residual, a
+    weight the kernel reads (the module's configuration does not change while serving)."""
+    decided = norm.__dict__.get("_dspark_kernel_serves")
+    if decided is None:
+        decided = (kernels_enabled() and getattr(norm, "variance_size_override", None) is None
+                   and not getattr(norm, "fp32_residual", False) and not getattr(norm, "cast_x_before_out_mul", False)
+                   and getattr(norm, "override_orig_dtype", None) is None and getattr(norm, "has_weight", True)
+                   and rmsnorm_weight_fits(norm.weight))
+        norm.__dict__["_dspark_kernel_serves"] = decided
+    return decided
+
+
+def around_rmsnorm(original, norm, x, residual=None, post_residual_addition=None, quant_linear=None, **kwargs):
+    """AROUND `RMSNorm.forward_native`: returns what it returns (the norm, or (norm, x + residual))."""
+    if (kwargs or post_residual_addition is not None or quant_linear is not None or not _kernel_serves_norm(norm)
+            or not rmsnorm_input_fits(x, residual, norm.weight.shape[0])):
+        return original(norm, x, residual, post_residual_addition, quant_linear, **kwargs)
+    return add_rmsnorm(x, residual, norm.weight, norm.variance_epsilon)
+
+
+def around_rotary(original, rotary, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None, **kwargs):
+    """AROUND `RotaryEmbedding.forward_native`: the rotated (query, key), as new tensors."""
+    if (kwargs or offsets is not None or fused_set_kv_buffer_arg is not None or not rotary.is_neox_style
+            or hasattr(rotary, "sin_cos_cache") or not kernels_enabled()
+            or not rope_fits(positions, query, key, rotary.head_size, rotary.rotary_dim, rotary.cos_sin_cache)):
+        return original(rotary, positions, query, key, offsets, fused_set_kv_buffer_arg, **kwargs)
+    return rope_neox(positions, query, key, rotary.head_size, rotary.rotary_dim, rotary.cos_sin_cache)

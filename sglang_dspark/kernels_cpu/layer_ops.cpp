@@ -1,0 +1,138 @@
+// The small per-token ops of a decoder layer, one call each instead of 10-40 torch ops:
+// residual add + RMSNorm, and neox-style rotary embedding of queries and keys.
+//
+// Both work row by row, each row by one thread in a fixed order, so a row's result does not depend
+// on the rows beside it (a verify window reproduces the one-token decode bit for bit). Arithmetic
+// is float32, rounded once at the end (bfloat16: to nearest even, as torch does).
+#include <immintrin.h>
+#include <stdint.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+
+inline float load(const uint16_t* p, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+inline void store(float* p, int64_t i, float value) { p[i] = value; }
+
+inline void store(uint16_t* p, int64_t i, float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if (std::isnan(value)) {
+    p[i] = 0x7FC0;
+    return;
+  }
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  p[i] = static_cast<uint16_t>(bits >> 16);
+}
+
+// x (+ residual) -> residual_out (rounded to the dtype), out = x * rsqrt(mean(x^2) + eps) * weight.
+template <typename T, typename W>
+void add_rmsnorm(const T* x, int64_t x_stride, const T* residual, int64_t residual_stride, const W* weight, T* out,
+                 T* residual_out, int64_t rows, int64_t hidden, float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * hidden >= 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    float sum[16] = {0};
+    float row[16384];
+    const int64_t n = hidden < 16384 ? hidden : 16384;
+    for (int64_t i = 0; i < n; ++i) {
+      float value = load(x + r * x_stride, i);
+      if (residual != nullptr) {
+        value += load(residual + r * residual_stride, i);
+        store(residual_out + r * hidden, i, value);
+      }
+      row[i] = value;
+      sum[i & 15] += value * value;
+    }
+    float total = 0.0f;
+    for (int lane = 0; lane < 16; ++lane) total += sum[lane];
+    const float scale = 1.0f / std::sqrt(total / static_cast<float>(hidden) + eps);
+    for (int64_t i = 0; i < n; ++i) store(out + r * hidden, i, row[i] * scale * load(weight, i));
+  }
+}
+
+// Neox rotation of the first `rotary_dim` dims of every head (the rest copied):
+// o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin, cos/sin = cache[position] halves.
+template <typename T, typename C>
+void rope_rows(const int64_t* positions, const T* x, int64_t x_stride, T* out, int64_t rows, int heads, int head_size,
+               int rotary_dim, const C* cache, int64_t cache_stride) {
+  const int half = rotary_dim / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const C* cos = cache + positions[r] * cache_stride;
+    const C* sin = cos + half;
+    for (int h = 0; h < heads; ++h) {
+      const T* in = x + r * x_stride + static_cast<int64_t>(h) * head_size;
+      T* o = out + (r * heads + h) * static_cast<int64_t>(head_size);
+      for (int i = 0; i < half; ++i) {
+        const float x1 = load(in, i), x2 = load(in, i + half), c = load(cos, i), s = load(sin, i);
+        store(o, i, x1 * c - x2 * s);
+        store(o, i + half, x2 * c + x1 * s);
+      }
+      for (int i = rotary_dim; i < head_size; ++i) o[i] = in[i];
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+int dspark_layer_ops_max_hidden() { return 16384; }
+
+// x, residual, out, residual_out: [rows, hidden] (x and residual with their row strides; out and
+// residual_out contiguous); residual may be null (then residual_out is unused). bf16: all four are
+// bfloat16 (else float32); weight_bf16: the weight is.
+void dspark_add_rmsnorm(const void* x, int64_t x_stride, const void* residual, int64_t residual_stride,
+                        const void* weight, void* out, void* residual_out, int64_t rows, int64_t hidden, float eps,
+                        int bf16, int weight_bf16, int threads) {
+  if (hidden > 16384) return;
+  if (bf16 && weight_bf16)
+    add_rmsnorm(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(residual), residual_stride,
+                static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out),
+                static_cast<uint16_t*>(residual_out), rows, hidden, eps, threads);
+  else if (bf16)
+    add_rmsnorm(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(residual), residual_stride,
+                static_cast<const float*>(weight), static_cast<uint16_t*>(out), static_cast<uint16_t*>(residual_out),
+                rows, hidden, eps, threads);
+  else if (weight_bf16)
+    add_rmsnorm(static_cast<const float*>(x), x_stride, static_cast<const float*>(residual), residual_stride,
+                static_cast<const uint16_t*>(weight), static_cast<float*>(out), static_cast<float*>(residual_out),
+                rows, hidden, eps, threads);
+  else
+    add_rmsnorm(static_cast<const float*>(x), x_stride, static_cast<const float*>(residual), residual_stride,
+                static_cast<const float*>(weight), static_cast<float*>(out), static_cast<float*>(residual_out),
+                rows, hidden, eps, threads);
+}
+
+// q, k: [rows, heads * head_size] with their row strides; q_out, k_out: contiguous, same shapes;
+// cache: [positions, rotary_dim] (cos half, then sin half) with row stride cache_stride.
+void dspark_rope_neox(const int64_t* positions, const void* q, int64_t q_stride, void* q_out, int q_heads,
+                      const void* k, int64_t k_stride, void* k_out, int k_heads, int64_t rows, int head_size,
+                      int rotary_dim, const void* cache, int64_t cache_stride, int bf16, int cache_bf16) {
+  for (int which = 0; which < 2; ++which) {
+    const void* x = which == 0 ? q : k;
+    void* out = which == 0 ? q_out : k_out;
+    const int64_t stride = which == 0 ? q_stride : k_stride;
+    const int heads = which == 0 ? q_heads : k_heads;
+    if (bf16 && cache_bf16)
+      rope_rows(positions, static_cast<const uint16_t*>(x), stride, static_cast<uint16_t*>(out), rows, heads,
+                head_size, rotary_dim, static_cast<const uint16_t*>(cache), cache_stride);
+    else if (bf16)
+      rope_rows(positions, static_cast<const uint16_t*>(x), stride, static_cast<uint16_t*>(out), rows, heads,
+                head_size, rotary_dim, static_cast<const float*>(cache), cache_stride);
+    else if (cache_bf16)
+      rope_rows(positions, static_cast<const float*>(x), stride, static_cast<float*>(out), rows, heads, head_size,
+                rotary_dim, static_cast<const uint16_t*>(cache), cache_stride);
+    else
+      rope_rows(positions, static_cast<const float*>(x), stride, static_cast<float*>(out), rows, heads, head_size,
+                rotary_dim, static_cast<const float*>(cache), cache_stride);
+  }
+}
+}

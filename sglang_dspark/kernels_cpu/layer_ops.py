@@ -1,0 +1,91 @@
+"""Residual add + RMSNorm and neox rotary embedding in one C++ call each (`layer_ops.cpp`).
+
+SGLang's CPU path without AMX runs these as `forward_native`: 10-13 torch ops per RMSNorm and
+~37 per rotary embedding, each ~3-6 us of dispatch on this project's CPU, so for SmolLM2-135M
+(61 norms and 30 rotary embeddings a forward) they cost more than the attention at batch 1. The
+kernels compute in float32 and round once; each row alone gives the same bits as in a batch.
+
+The Python side is kept to a few checks and two allocations: on this CPU one `torch.empty(shape,
+dtype=...)` costs ~5 us, `torch.empty_like` ~2 us, and the ctypes call itself ~5 us.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from sglang_dspark.kernels_cpu.build import load_library
+
+SOURCE = Path(__file__).with_name("layer_ops.cpp")
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def load_layer_ops() -> ctypes.CDLL:
+    """The compiled kernels, built on first use; raises `KernelUnavailable` with the reason."""
+    kernel = load_library(SOURCE)
+    kernel.dspark_add_rmsnorm.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    kernel.dspark_add_rmsnorm.restype = None
+    kernel.dspark_rope_neox.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    kernel.dspark_rope_neox.restype = None
+    return kernel
+
+
+def rmsnorm_weight_fits(weight: torch.Tensor) -> bool:
+    """The per-module half of the check (the norm's weight never changes while serving)."""
+    return (weight.device.type == "cpu" and weight.dtype in DTYPES and weight.dim() == 1 and weight.is_contiguous()
+            and weight.shape[0] <= load_layer_ops().dspark_layer_ops_max_hidden())
+
+
+def rmsnorm_input_fits(x: torch.Tensor, residual: torch.Tensor | None, hidden: int) -> bool:
+    """The per-call half: 2-D rows of `hidden` unit-stride elements, a residual of the same kind."""
+    return (x.dim() == 2 and x.dtype in DTYPES and x.shape[1] == hidden and x.stride(1) == 1 and x.device.type == "cpu"
+            and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape and residual.stride(1) == 1)))
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """`rmsnorm(x + residual) * weight` and `x + residual` (in x's dtype), or the norm alone
+    without a residual: what SGLang's `RMSNorm.forward_native` returns. Check both fits first."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    residual_out = None if residual is None else torch.empty_like(out)
+    load_layer_ops().dspark_add_rmsnorm(
+        x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(),
+        None if residual_out is None else residual_out.data_ptr(), x.shape[0], x.shape[1], eps,
+        x.dtype == torch.bfloat16, weight.dtype == torch.bfloat16, torch.get_num_threads())
+    return out if residual_out is None else (out, residual_out)
+
+
+def rope_fits(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_size: int, rotary_dim: int,
+              cache: torch.Tensor) -> bool:
+    return (query.dim() == 2 and key.dim() == 2 and query.dtype in DTYPES and key.dtype == query.dtype
+            and cache.dtype in DTYPES and positions.dtype == torch.int64 and positions.dim() == 1
+            and positions.is_contiguous() and query.shape[0] == key.shape[0] == positions.shape[0]
+            and query.stride(1) == 1 and key.stride(1) == 1 and query.shape[1] % head_size == 0
+            and key.shape[1] % head_size == 0 and cache.dim() == 2 and cache.stride(1) == 1
+            and cache.shape[1] == rotary_dim and rotary_dim % 2 == 0 and 0 < rotary_dim <= head_size
+            and query.device.type == "cpu")
+
+
+def rope_neox(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_size: int, rotary_dim: int,
+              cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding of `query`/`key [tokens, heads * head_size]` (new tensors of
+    their shapes); `cache [max_position, rotary_dim]` holds cos then sin. Check `rope_fits` first."""
+    if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < cache.shape[0]:
+        raise ValueError(f"rotary positions {int(positions.min())}..{int(positions.max())} outside a cache of "
+                         f"{cache.shape[0]} positions")
+    query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
+    load_layer_ops().dspark_rope_neox(
+        positions.data_ptr(), query.data_ptr(), query.stride(0), query_out.data_ptr(), query.shape[1] // head_size,
+        key.data_ptr(), key.stride(0), key_out.data_ptr(), key.shape[1] // head_size, positions.shape[0], head_size,
+        rotary_dim, cache.data_ptr(), cache.stride(0), query.dtype == torch.bfloat16, cache.dtype == torch.bfloat16)
+    return query_out, key_out

@@ -1,0 +1,113 @@
+"""RMSNorm and rotary embedding kernels against SGLang's own `forward_native`, and the hooks that
+route SGLang's CPU layers through them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_dspark.kernels_cpu import layer_hooks
+from sglang_dspark.kernels_cpu.layer_ops import add_rmsnorm, rope_neox
+
+
+@pytest.fixture
+def kernels_on(monkeypatch):
+    monkeypatch.delenv("DSPARK_CPU_LAYER_OPS", raising=False)
+    layer_hooks.kernels_enabled.cache_clear()
+    yield
+    layer_hooks.kernels_enabled.cache_clear()
+
+
+def _norm(dtype, hidden=576):
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    norm = RMSNorm(hidden, eps=1e-5).to(dtype)
+    norm.weight.data.normal_(generator=torch.Generator().manual_seed(1))
+    return norm
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_rmsnorm_hook_returns_what_sglang_returns(kernels_on, dtype, tolerance):
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    norm = _norm(dtype)
+    x, residual = torch.randn(5, 576).to(dtype), torch.randn(5, 576).to(dtype)
+    want_out, want_residual = RMSNorm.forward_native(norm, x, residual)
+    out, new_residual = layer_hooks.around_rmsnorm(RMSNorm.forward_native, norm, x, residual)
+    assert torch.equal(new_residual, want_residual), "x + residual is rounded once, as SGLang does"
+    torch.testing.assert_close(out, want_out, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(layer_hooks.around_rmsnorm(RMSNorm.forward_native, norm, x),
+                               RMSNorm.forward_native(norm, x), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_row_alone_gives_the_bits_it_gets_in_a_batch(dtype):
+    norm = _norm(dtype)
+    x, residual = torch.randn(7, 576).to(dtype), torch.randn(7, 576).to(dtype)
+    batched, _ = add_rmsnorm(x, residual, norm.weight, 1e-5)
+    assert torch.equal(add_rmsnorm(x[3:4], residual[3:4], norm.weight, 1e-5)[0], batched[3:4])
+    cache = _rope_cache(dtype)
+    positions = torch.tensor([4, 90, 700])
+    q, k = torch.randn(3, 9 * 64).to(dtype), torch.randn(3, 3 * 64).to(dtype)
+    q_out, k_out = rope_neox(positions, q, k, 64, 64, cache)
+    q_one, k_one = rope_neox(positions[1:2], q[1:2], k[1:2], 64, 64, cache)
+    assert torch.equal(q_one, q_out[1:2]) and torch.equal(k_one, k_out[1:2])
+
+
+def _rope_cache(dtype, head=64, positions=1024):
+    inverse = 1.0 / (10000 ** (torch.arange(0, head, 2).float() / head))
+    angles = torch.outer(torch.arange(positions).float(), inverse)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rotary_hook_rotates_like_sglang_neox(kernels_on, dtype, tolerance, rotary_dim):
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+
+    from sglang.srt.layers.rotary_embedding.utils import apply_rotary_emb
+
+    rotary = SimpleNamespace(cos_sin_cache=_rope_cache(dtype, head=rotary_dim), is_neox_style=True, head_size=64,
+                             rotary_dim=rotary_dim, _apply_rotary_emb_wrapped=apply_rotary_emb)
+    qkv = torch.randn(3, 14 * 64).to(dtype)  # q and k as strided views of a packed projection, as in serving
+    q, k = qkv[:, : 9 * 64], qkv[:, 9 * 64 : 12 * 64]
+    positions = torch.tensor([0, 17, 1000])
+    q_out, k_out = layer_hooks.around_rotary(RotaryEmbedding.forward_native, rotary, positions, q, k)
+    q_want, k_want = RotaryEmbedding.forward_native(rotary, positions, q.float(), k.float())
+    torch.testing.assert_close(q_out.float(), q_want, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(k_out.float(), k_want, rtol=tolerance, atol=tolerance)
+
+
+def test_positions_outside_the_rotary_cache_are_refused():
+    cache = _rope_cache(torch.float32, positions=16)
+    with pytest.raises(ValueError, match="outside a cache of 16 positions"):
+        rope_neox(torch.tensor([3, 16]), torch.randn(2, 64), torch.randn(2, 64), 64, 64, cache)
+
+
+def test_norms_and_rotaries_the_kernels_do_not_serve_keep_sglangs_code(kernels_on):
+    calls = []
+
+    def sglang(*args, **kwargs):
+        calls.append(args)
+        return "sglang"
+
+    norm = _norm(torch.float32)
+    norm.variance_size_override = 128
+    assert layer_hooks.around_rmsnorm(sglang, norm, torch.randn(2, 576)) == "sglang"
+    gptj = SimpleNamespace(cos_sin_cache=_rope_cache(torch.float32), is_neox_style=False, head_size=64, rotary_dim=64)
+    assert layer_hooks.around_rotary(sglang, gptj, torch.tensor([1]), torch.randn(1, 64), torch.randn(1, 64)) == "sglang"
+    assert len(calls) == 2
+
+
+def test_the_torch_setting_keeps_sglangs_ops_and_a_bad_one_is_refused(monkeypatch):
+    monkeypatch.setenv("DSPARK_CPU_LAYER_OPS", "torch")
+    layer_hooks.kernels_enabled.cache_clear()
+    try:
+        assert not layer_hooks.kernels_enabled()
+        monkeypatch.setenv("DSPARK_CPU_LAYER_OPS", "fast")
+        with pytest.raises(ValueError, match="expected one of kernel, torch"):
+            layer_hooks.layer_ops_mode()
+    finally:
+        layer_hooks.kernels_enabled.cache_clear()
