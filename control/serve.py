@@ -150,7 +150,7 @@ def serve_command(
     port: int = typer.Option(30000, help="HTTP port."),
     host: str = typer.Option("127.0.0.1", help="Bind address."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
-    dtype: str = typer.Option("bfloat16", help="Weights and activations dtype (bfloat16: the plugin's weight panels stream half the bytes of float32, so on this CPU it serves faster and verifies drafts cheaper; float32 when greedy answers must equal non-speculative serving bit for bit: in bf16 they match until the first near-tie)."),
+    dtype: str = typer.Option("bfloat16", help="Weights and activations dtype (bfloat16: the plugin's weight panels stream half the bytes of float32, so on this CPU it serves faster and verifies drafts cheaper; on the CPU engine greedy answers equal non-speculative serving bit for bit in either dtype: the plugin computes verify rows exactly like decode rows)."),
     overlap: bool = typer.Option(True, "--overlap/--no-overlap", help="SGLang overlap scheduling."),
     print_command: bool = typer.Option(False, "--print-command", help="Print the plain SGLang command, do not run."),
 ) -> None:

@@ -31,6 +31,10 @@ SERVER_FLAVOURS = {
     "dspark_skip": (["--speculative-algorithm", "DSPARK_LIVE"],
                     {"DSPARK_PLANNER": "production", "DSPARK_SPS_PATH": str(FAST_ENGINE_TABLE),
                      "DSPARK_STEP_LOG": "{log_dir}/dspark_skip-steps.jsonl"}),
+    # bfloat16 pair: SGLang's own bf16 attention rounds a verify window differently from a decode
+    # step; the plugin's paged attention must not
+    "baseline_bf16": (["--dtype", "bfloat16"], {}),
+    "dspark_bf16": (["--speculative-algorithm", "DSPARK_LIVE", "--dtype", "bfloat16"], {}),
 }
 
 

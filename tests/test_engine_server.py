@@ -80,6 +80,33 @@ def test_greedy_output_equals_plain_serving_for_8_concurrent_requests(servers, b
         assert window_widths == {5}
 
 
+@pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
+def test_a_prefix_served_by_the_radix_cache_seeds_the_drafter_from_the_tap_store(servers, flavour):
+    """A repeated prompt's prefix comes from SGLang's radix cache (no target forward, so no taps):
+    the worker rebuilds the drafter context from the taps it stored beside those KV slots. The
+    answer must stay exact and the drafts as good as with a fresh prefill."""
+    prompt = PROMPTS[6] + PROMPTS[2]
+    want = generate(servers["baseline"].url, prompt, **greedy(48, ignore_eos=True))
+    fresh = generate(servers[flavour].url, prompt, **greedy(48, ignore_eos=True))
+    cached = generate(servers[flavour].url, prompt, **greedy(48, ignore_eos=True))
+    assert cached["meta_info"]["cached_tokens"] > 0, "the second request did not hit the radix cache"
+    assert fresh["output_ids"] == want["output_ids"] and cached["output_ids"] == want["output_ids"]
+    assert cached["meta_info"]["spec_accept_length"] >= 0.8 * fresh["meta_info"]["spec_accept_length"], (
+        "a cached prefix left the drafter without its context")
+
+
+def test_bfloat16_greedy_output_equals_plain_bfloat16_serving_bit_for_bit(server_pool):
+    """In bf16 every rounding shows: verify rows must attend, normalise and multiply exactly like
+    the one-token decode steps they stand for (the plugin's kernels do), or greedy answers drift
+    apart at the first near-tie."""
+    baseline, dspark = server_pool.get("baseline_bf16", "dspark_bf16")
+    requests = [(p, greedy(n, ignore_eos=True)) for p, n in zip(PROMPTS, MAX_NEW)]
+    want, got = generate_all(baseline.url, requests), generate_all(dspark.url, requests)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a["output_ids"] == b["output_ids"], f"bf16 request {i} diverged from plain bf16 serving"
+    assert sum(out["meta_info"]["spec_accept_length"] for out in got) / len(got) > 1.2, "drafts were not accepted"
+
+
 def test_plain_and_speculative_cpu_servers_get_the_same_cpu_kernels(servers):
     """The plugin lays out the target's weights and routes decode/verify attention, RMSNorm and
     rotary embedding through its kernels in every CPU server it is loaded into, plain ones

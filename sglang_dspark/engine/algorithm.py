@@ -39,11 +39,12 @@ class DSparkLiveAlgorithm(CustomSpecAlgo):
     def handle_server_args(self, server_args) -> None:
         """Fix the step shape: one linear chain (topk 1, one draft step) of gamma drafts + the bonus.
 
-        The radix cache is disabled: a prefix served from it has KV but no taps, and the drafter
-        context needs the taps of every committed position.
+        The radix cache stays on unless `DSPARK_PREFIX_CACHE=off`: the worker keeps each committed
+        token's taps beside its KV slot, so a cached prefix seeds the drafter context like a prefill.
         """
         settings = _settings_or_error(server_args)
-        server_args.disable_radix_cache = True
+        if not settings.prefix_cache:
+            server_args.disable_radix_cache = True
         server_args.speculative_num_steps = 1
         server_args.speculative_eagle_topk = 1
         server_args.speculative_num_draft_tokens = settings.verify_window

@@ -14,7 +14,8 @@ process, with a clear error for a bad value:
 | `DSPARK_SEED` | 0 | seed of the drafter's and verifier's sampling generator |
 | `DSPARK_STEP_LOG` | unset | also append every step record as a JSON line to this file (benchmarks) |
 | `DSPARK_DRAFT_DTYPE` | `auto` | the drafter's dtype: `auto` (the target's, except float32 on a CPU without native bf16 math, where bf16 drafting ran ~2x slower), `float32`, `bfloat16`, `float16` |
-| `DSPARK_VERIFY_ATTENTION` | `linear` | CPU verify attention: `linear` (SDPA over the request's KV, q_len = window) or `native` (SGLang torch_native extend, re-attends the prefix) |
+| `DSPARK_PREFIX_CACHE` | `on` | keep SGLang's radix (prefix) cache: the worker stores every committed token's taps beside its KV slot, so a prefix served from the cache seeds the drafter's context without a target forward; `off` disables the radix cache (no tap store memory: one row of taps per KV slot) |
+| `DSPARK_VERIFY_ATTENTION` | `linear` | CPU verify attention: `linear` (the window's queries over the request's KV only: the paged kernel, or SDPA with `DSPARK_CPU_ATTENTION=sdpa`) or `native` (SGLang torch_native extend, re-attends the prefix) |
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class LiveSettings:
     max_records: int
     seed: int
     verify_attention: str
+    prefix_cache: bool
     step_log: Path | None = None
     draft_dtype: str = "auto"
     sts_greedy_path: Path | None = None
@@ -133,6 +135,9 @@ def load_settings(draft_path: str | Path, dtype: str | None = None) -> LiveSetti
     verify_attention = os.environ.get("DSPARK_VERIFY_ATTENTION", "linear").strip().lower()
     if verify_attention not in VERIFY_ATTENTION_MODES:
         raise SettingsError(f"DSPARK_VERIFY_ATTENTION={verify_attention!r}: expected linear or native")
+    prefix_cache = os.environ.get("DSPARK_PREFIX_CACHE", "on").strip().lower()
+    if prefix_cache not in ("on", "off"):
+        raise SettingsError(f"DSPARK_PREFIX_CACHE={prefix_cache!r}: expected on or off")
     draft_dtype = os.environ.get("DSPARK_DRAFT_DTYPE", "auto").strip().lower()
     if draft_dtype not in DRAFT_DTYPES:
         raise SettingsError(f"DSPARK_DRAFT_DTYPE={draft_dtype!r}: expected one of {', '.join(DRAFT_DTYPES)}")
@@ -149,5 +154,6 @@ def load_settings(draft_path: str | Path, dtype: str | None = None) -> LiveSetti
         max_records=_int_env("DSPARK_RECORDS", 2048, 1),
         seed=_int_env("DSPARK_SEED", 0, 0),
         verify_attention=verify_attention,
+        prefix_cache=prefix_cache == "on",
         step_log=Path(os.environ["DSPARK_STEP_LOG"]) if os.environ.get("DSPARK_STEP_LOG") else None,
     )

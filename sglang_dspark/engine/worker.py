@@ -7,8 +7,10 @@ One decode step, for the whole batch:
 3. verify: ONE target forward over every request's `[bonus, admitted drafts]` (ragged), run as
    `TARGET_VERIFY` so the logits processor keeps every row, and capturing the tapped layers;
 4. accept: greedy rows by argmax match, sampled rows by rejection sampling (`decoding.verify`);
-5. commit: the accepted tokens' taps extend the drafter context, KV of rejected drafts stays in
-   the request's reserved slots and is overwritten by the next window;
+5. commit: the accepted tokens' taps extend the drafter context and are stored beside their KV
+   slots (the tap store: a prefix that SGLang's radix cache serves later seeds a drafter context
+   from it); KV of rejected drafts stays in the request's reserved slots and is overwritten by
+   the next window;
 6. `on_publish(new_seq_lens)` exactly once, then the V2 result with `next_draft_input`.
 
 The scheduler owns request state, KV allocation and finishing (EOS, stop strings,
@@ -88,6 +90,8 @@ class DSparkLiveWorker(BaseSpecWorker):
         self.generator = torch.Generator(device=self.device).manual_seed(self.settings.seed)
         self.verify_generator = torch.Generator().manual_seed(self.settings.seed + 1)
         self.context: DraftContextCache | None = None
+        self.tap_store: torch.Tensor | None = None
+        self._slot_owner: dict[int, str] = {}
         self.vocab_size = self.model_runner.model_config.vocab_size
         self._step = 0
         _ACTIVE_WORKER = self
@@ -104,10 +108,17 @@ class DSparkLiveWorker(BaseSpecWorker):
         return None
 
     def alloc_memory_pool(self, **kwargs) -> None:
-        """Share the target's pools; size the drafter context cache to SGLang's request slots."""
+        """Share the target's pools; size the drafter context cache to SGLang's request slots, and
+        (with the radix cache on) the tap store to its KV slots."""
         self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
         num_slots = int(self.req_to_token_pool.req_to_token.shape[0])
         self.context = self.drafter.new_cache(num_slots=num_slots, capacity=256)
+        if not self.server_args.disable_radix_cache:
+            kv_rows = int(self.model_runner.token_to_kv_pool.get_key_buffer(0).shape[0])
+            self.tap_store = torch.zeros((kv_rows, self.drafter.fc.in_features), dtype=self.model_runner.dtype,
+                                         device=self.device)
+            logger.info("DSPARK_LIVE: prefix cache on; tap store of %d KV slots x %d (%.0f MB)", kv_rows,
+                        self.tap_store.shape[1], self.tap_store.numel() * self.tap_store.element_size() / 2**20)
 
     def _load_drafter(self):
         """Load the checkpoint sharing the target's embedding and lm_head tensors, in its dtype."""
@@ -158,7 +169,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         slots = batch.req_pool_indices.to(torch.long).cpu()
         prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.long)
         extend_lens = torch.tensor(batch.extend_lens, dtype=torch.long)
-        self._align_context(slots, prefix_lens)
+        self._align_context(slots, prefix_lens, [str(req.rid) for req in batch.reqs])
         result = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         taps = result.logits_output.hidden_states
         if taps is None or taps.shape[0] != int(extend_lens.sum()):
@@ -166,6 +177,7 @@ class DSparkLiveWorker(BaseSpecWorker):
                 f"DSPARK_LIVE prefill: expected taps for {int(extend_lens.sum())} tokens from the target's aux "
                 f"hidden capture, got {None if taps is None else tuple(taps.shape)}"
             )
+        self._store_taps(batch.out_cache_loc, taps)
         self.drafter.append_context(self.context, slots, taps, extend_lens)
         result.logits_output.hidden_states = None
         result.new_seq_lens = batch.seq_lens
@@ -176,21 +188,38 @@ class DSparkLiveWorker(BaseSpecWorker):
         self.recorder.note_prefill()
         return result
 
-    def _align_context(self, slots: torch.Tensor, prefix_lens: torch.Tensor) -> None:
-        """A slot's context must hold exactly the request's prefix before its extend.
+    def _align_context(self, slots: torch.Tensor, prefix_lens: torch.Tensor, rids: list[str]) -> None:
+        """Before an extend, a slot's context must hold exactly the request's prefix.
 
-        A reused slot (new request, prefix 0) or a retracted request is cut back; a context
-        shorter than the prefix means the prefix came from a cache whose taps we never saw.
+        A chunked prefill's next chunk finds its own context; a new request (or a retracted one
+        back) in a slot cuts the context to what is still its own, and the rest of the prefix,
+        served by the radix cache, comes from the tap store at the prefix's KV slots. Without a
+        tap store (`DSPARK_PREFIX_CACHE=off`) a prefix the context never saw is an error.
         """
-        current = self.context.lengths[slots]
-        if bool((current < prefix_lens).any()):
-            bad = (current < prefix_lens).nonzero().flatten().tolist()
+        same_owner = torch.tensor([self._slot_owner.get(int(slot)) == rid for slot, rid in zip(slots.tolist(), rids)])
+        for slot, rid in zip(slots.tolist(), rids):
+            self._slot_owner[slot] = rid
+        kept = torch.where(same_owner, torch.minimum(self.context.lengths[slots], prefix_lens), torch.zeros_like(prefix_lens))
+        self.context.truncate(slots, kept)
+        missing = prefix_lens - kept
+        if not bool((missing > 0).any()):
+            return
+        if self.tap_store is None:
+            bad = (missing > 0).nonzero().flatten().tolist()
             raise RuntimeError(
-                f"DSPARK_LIVE: drafter context of slots {slots[bad].tolist()} holds {current[bad].tolist()} "
-                f"tokens but the extend starts after {prefix_lens[bad].tolist()}: a prefix-cache hit without "
-                "taps. DSPARK_LIVE runs with the radix cache disabled; do not re-enable it"
-            )
-        self.context.truncate(slots, torch.minimum(current, prefix_lens))
+                f"DSPARK_LIVE: slots {slots[bad].tolist()} start their extend after a {prefix_lens[bad].tolist()}-token "
+                "prefix the drafter never saw, and there is no tap store (DSPARK_PREFIX_CACHE=off disables the "
+                "radix cache; was it re-enabled?)")
+        req_to_token = self.req_to_token_pool.req_to_token
+        rows = missing > 0
+        kv_slots = torch.cat([req_to_token[int(slot), int(start): int(end)]
+                              for slot, start, end in zip(slots[rows], kept[rows], prefix_lens[rows])]).to(torch.long)
+        self.drafter.append_context(self.context, slots[rows], self.tap_store[kv_slots.to(self.device)], missing[rows])
+
+    def _store_taps(self, kv_slots: torch.Tensor, taps: torch.Tensor) -> None:
+        """Keep committed tokens' taps beside their KV (a radix-cache hit later reads them back)."""
+        if self.tap_store is not None:
+            self.tap_store[kv_slots.to(device=self.device, dtype=torch.long)] = taps.to(self.tap_store.dtype)
 
     # ------------------------------------------------------------------- decode
 
@@ -225,14 +254,15 @@ class DSparkLiveWorker(BaseSpecWorker):
             drafts = draft.tokens[:, :0].to(self.device)
         drafted = time.perf_counter()
 
-        logits, taps = self._verify_forward(batch, slots, seq_lens, bonus, drafts, plan.verify_lens)
+        logits, taps, window_kv_slots = self._verify_forward(batch, slots, seq_lens, bonus, drafts, plan.verify_lens)
         verified = time.perf_counter()
         window_lens = plan.verify_lens + 1
         outcome = verify(draft, _pad_rows(logits, window_lens), plan.verify_lens, params, self.verify_generator)
         accept_lens = outcome.num_accepted + 1
         new_seq_lens = seq_lens + accept_lens
-        self.drafter.append_context(self.context, slots, _committed_rows(taps, window_lens, accept_lens),
-                                    accept_lens)
+        committed = _committed_index(window_lens, accept_lens)
+        self._store_taps(window_kv_slots[committed], taps[committed])
+        self.drafter.append_context(self.context, slots, taps[committed], accept_lens)
         rows = torch.arange(batch_size)
         new_bonus = outcome.tokens[rows, outcome.num_accepted]
         if on_publish is not None:
@@ -268,8 +298,9 @@ class DSparkLiveWorker(BaseSpecWorker):
                         bonus: torch.Tensor, drafts: torch.Tensor, verify_lens: torch.Tensor):
         """One TARGET_VERIFY forward over each request's `[bonus, first verify_lens[b] drafts]`.
 
-        Returns packed logits `[sum(w), V]` and taps `[sum(w), m*d]`. The window's KV slots were
-        reserved by the scheduler (`eagle_prepare_for_decode`: 2 x window past the committed length).
+        Returns packed logits `[sum(w), V]`, taps `[sum(w), m*d]` and the window rows' KV slots. The
+        window's KV slots were reserved by the scheduler (`eagle_prepare_for_decode`: 2 x window past
+        the committed length).
         """
         self._install_verify_attention()
         window_lens = verify_lens + 1
@@ -306,7 +337,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         logits = output.next_token_logits[:, : self.vocab_size]
         if output.hidden_states is None or output.hidden_states.shape[0] != logits.shape[0]:
             raise RuntimeError("DSPARK_LIVE verify: the target returned no taps for the verify window")
-        return logits.float().cpu(), output.hidden_states.cpu()
+        return logits.float().cpu(), output.hidden_states.cpu(), out_cache_loc.cpu()
 
     # ------------------------------------------------------------------ records
 
@@ -375,8 +406,7 @@ def _pad_rows(packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _committed_rows(packed: torch.Tensor, window_lens: torch.Tensor, accept_lens: torch.Tensor) -> torch.Tensor:
-    """The first `accept_lens[b]` rows of each request's window, packed in request order."""
+def _committed_index(window_lens: torch.Tensor, accept_lens: torch.Tensor) -> torch.Tensor:
+    """Row indices of the first `accept_lens[b]` rows of each request's window (packed in request order)."""
     starts = torch.cumsum(window_lens, 0) - window_lens
-    index = torch.cat([torch.arange(int(s), int(s) + int(a)) for s, a in zip(starts, accept_lens)])
-    return packed[index]
+    return torch.cat([torch.arange(int(s), int(s) + int(a)) for s, a in zip(starts, accept_lens)])
