@@ -324,6 +324,21 @@ def test_sweep_planner_cycles_every_verify_width(tmp_path, monkeypatch):
     assert widths == [[0, 0], [1, 1], [2, 2], [3, 3], [0, 0]]
 
 
+def test_sweep_steps_of_width_zero_skip_the_drafter_like_production_does(tmp_path, monkeypatch):
+    """The one-token steps of the measured SPS table must be undrafted steps, as in production."""
+    from sglang_dspark.engine.planning import VerifyPlanner
+
+    monkeypatch.setenv("DSPARK_PLANNER", "sweep")
+    planner = VerifyPlanner(load_settings(_draft_folder(tmp_path, block_size=3)))
+    widths = []
+    for _ in range(6):
+        decision = planner.decide(["a"], torch.tensor([5]))
+        plan = (planner.plan(["a"], torch.zeros(1, 3), torch.tensor([5]), decision) if decision.draft
+                else planner.skipped(["a"], torch.tensor([5])))
+        widths.append((decision.draft, int(plan.verify_lens[0])))
+    assert widths == [(False, 0), (True, 1), (True, 2), (True, 3), (False, 0), (True, 1)]
+
+
 def test_fixed_zero_skips_the_drafter_and_verifies_only_the_bonus(tmp_path, monkeypatch):
     """`DSPARK_PLANNER=fixed:0` is plain decoding through the worker: nothing to verify, so no draft."""
     from sglang_dspark.engine.planning import VerifyPlanner

@@ -4,7 +4,9 @@
 * `fixed:N`: every request verifies N drafts (a measurement knob).
 * `sweep`: step s verifies s mod (gamma + 1) drafts per request, so the step log covers every
   verify width at whatever batch sizes the traffic brings (`dspark-ctl bench sps-serve` fits the
-  engine's cost model from it).
+  engine's cost model from it). Width-0 steps skip the drafter, as production's one-token steps
+  do: a verify that follows a drafter run measured 11-25 % slower on this CPU, and a table whose
+  one-token steps carry that made drafting look nearly free under load.
 * `production`: before the drafter runs, `decide` picks the draft width (0: skip the drafter)
   by valuing each width on virtual batches drawn from recent steps' survivals, against the
   drafter's cost measured live at this batch size (block forward once, Markov walk per slot);
@@ -169,6 +171,8 @@ class VerifyPlanner:
         """How many block slots this step drafts (0: none), decided before the drafter runs."""
         if self.settings.planner == "fixed":  # draft what is verified (0: skip the drafter)
             return StepDecision(draft_width=min(self.settings.fixed_drafts, self.gamma), capacity=None)
+        if self.settings.planner == "sweep" and self._sweep_step % (self.gamma + 1) == 0:
+            return StepDecision(draft_width=0, capacity=None)  # skipped() advances the sweep
         if self.settings.planner != "production":
             return StepDecision(draft_width=self.gamma, capacity=None)
         decision = self.capacity_planner.decide(
@@ -214,6 +218,8 @@ class VerifyPlanner:
 
     def skipped(self, request_ids: list, context_lens: torch.Tensor) -> Plan:
         """The plan of a step that did not draft: every request verifies only its bonus token."""
+        if self.settings.planner == "sweep":
+            self._next_static_drafts()
         batch = len(request_ids)
         shape = self._shape(batch, 0, context_lens)
         return Plan(verify_lens=torch.zeros(batch, dtype=torch.long), capacity=0,
