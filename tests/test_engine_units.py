@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from kv_fakes import FakeKVPool
 
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
 from sglang_dspark.engine.settings import SettingsError, load_settings
@@ -43,20 +44,6 @@ def test_verify_attention_equals_causal_attention_over_the_whole_sequence(heads,
         start += window
 
 
-class _FakeKVPool:
-    def __init__(self, k_cache, v_cache):
-        self.k_cache, self.v_cache = k_cache, v_cache
-
-    def set_kv_buffer(self, layer, loc, k, v):
-        self.k_cache[loc.loc], self.v_cache[loc.loc] = k, v
-
-    def get_key_buffer(self, layer_id):
-        return self.k_cache
-
-    def get_value_buffer(self, layer_id):
-        return self.v_cache
-
-
 def test_each_verify_forward_builds_its_own_layout_and_its_layers_share_it():
     """The layout is built once per forward; a new forward (layer ids start again) must never
     reuse the last one's slots and masks, even when the ForwardBatch object is the same."""
@@ -68,7 +55,7 @@ def test_each_verify_forward_builds_its_own_layout_and_its_layers_share_it():
     heads, kv_heads, dim, pool = 4, 2, 8, 64
     k_cache, v_cache = torch.randn(pool, kv_heads, dim), torch.randn(pool, kv_heads, dim)
     req_to_token = torch.randperm(pool - 1).add(1).reshape(3, 21)
-    backend = SimpleNamespace(token_to_kv_pool=_FakeKVPool(k_cache, v_cache),
+    backend = SimpleNamespace(token_to_kv_pool=FakeKVPool(k_cache, v_cache),
                               req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
                               forward_extend=lambda *args, **kwargs: pytest.fail("not a verify forward"))
     va.install(backend)

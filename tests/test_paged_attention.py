@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from kv_fakes import FakeKVPool
 
 from sglang_dspark.kernels_cpu import cpu_attention
 from sglang_dspark.kernels_cpu.paged_attention import KeyLayout, LayoutPerForward, kernel_fits, paged_attention
@@ -93,20 +94,6 @@ def test_one_layout_per_forward_even_when_the_forward_batch_object_is_reused():
     assert len(builds) == 2
 
 
-class _KVPool:
-    def __init__(self, k, v):
-        self.k, self.v = k, v
-
-    def set_kv_buffer(self, layer, loc, k, v):
-        self.k[loc.loc], self.v[loc.loc] = k, v
-
-    def get_key_buffer(self, layer_id):
-        return self.k
-
-    def get_value_buffer(self, layer_id):
-        return self.v
-
-
 def _layer(layer_id, heads=4, kv_heads=2, head_dim=16, sliding_window_size=None):
     return SimpleNamespace(layer_id=layer_id, tp_q_head_num=heads, tp_k_head_num=kv_heads, qk_head_dim=head_dim,
                            v_head_dim=head_dim, is_cross_attention=False, sliding_window_size=sliding_window_size,
@@ -123,7 +110,7 @@ def test_the_decode_hook_writes_the_new_kv_and_attends_over_each_whole_sequence(
     monkeypatch.delenv("DSPARK_CPU_ATTENTION", raising=False)
     cpu_attention.kernel_enabled.cache_clear()
     k_cache, v_cache, req_to_token = _cache(torch.float32, 2, 16)
-    backend = SimpleNamespace(token_to_kv_pool=_KVPool(k_cache, v_cache),
+    backend = SimpleNamespace(token_to_kv_pool=FakeKVPool(k_cache, v_cache),
                               req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
     batch = _decode_batch(req_to_token, [1, 3], [40, 7])
     q, k, v = torch.randn(2, 4 * 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
@@ -143,7 +130,7 @@ def test_layers_or_settings_the_kernel_does_not_serve_keep_sglangs_decode(monkey
         monkeypatch.setenv("DSPARK_CPU_ATTENTION", "sdpa")
     cpu_attention.kernel_enabled.cache_clear()
     k_cache, v_cache, req_to_token = _cache(torch.float32, 2, 16)
-    backend = SimpleNamespace(token_to_kv_pool=_KVPool(k_cache, v_cache),
+    backend = SimpleNamespace(token_to_kv_pool=FakeKVPool(k_cache, v_cache),
                               req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
     layer = _layer(0, sliding_window_size=8 if case == "sliding_window" else None)
     calls = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -20,6 +21,9 @@ from pathlib import Path
 
 from sglang_dspark.runtime import cpu_flags
 from sglang_dspark.training.prepare import cache_root
+
+
+logger = logging.getLogger(__name__)
 
 
 class KernelUnavailable(RuntimeError):
@@ -44,8 +48,9 @@ def _build(source: Path, library: Path) -> None:
         os.replace(output, library)
 
 
-def load_library(source: Path) -> ctypes.CDLL:
-    """The compiled `source` (built into the cache if absent); raises `KernelUnavailable`.
+def load_library(source: Path, signatures: dict[str, list] | None = None) -> ctypes.CDLL:
+    """The compiled `source` (built into the cache if absent), its `signatures` (function name ->
+    ctypes argument types, returning void) declared; raises `KernelUnavailable`.
 
     The kernels use AVX-512F intrinsics, so a CPU without them gets the reason, not a crash."""
     if platform.machine() not in ("x86_64", "AMD64") or "avx512f" not in cpu_flags():
@@ -54,4 +59,28 @@ def load_library(source: Path) -> ctypes.CDLL:
     library = cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not library.exists():
         _build(source, library)
-    return ctypes.CDLL(str(library))
+    kernel = ctypes.CDLL(str(library))
+    for name, argtypes in (signatures or {}).items():
+        function = getattr(kernel, name)
+        function.argtypes, function.restype = argtypes, None
+    return kernel
+
+
+def env_choice(variable: str, choices: tuple[str, ...]) -> str:
+    """The value of a `DSPARK_*` switch (default: the first choice), or ValueError naming the choices."""
+    value = os.environ.get(variable, choices[0]).strip().lower()
+    if value not in choices:
+        raise ValueError(f"{variable}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def kernel_loads(load, without: str, with_it: str) -> bool:
+    """Whether `load()` gives a kernel here; logs once which path serves (`without`: a warning
+    with the reason; `with_it`: info). Callers cache the answer per process."""
+    try:
+        load()
+    except KernelUnavailable as error:
+        logger.warning("sglang-dspark: %s: %s", without, error)
+        return False
+    logger.info("sglang-dspark: %s", with_it)
+    return True

@@ -15,39 +15,26 @@ logs why once and serves as with `sdpa`.
 from __future__ import annotations
 
 import functools
-import logging
-import os
 
 import torch
 
-from sglang_dspark.kernels_cpu.build import KernelUnavailable
+from sglang_dspark.kernels_cpu.build import env_choice, kernel_loads
 from sglang_dspark.kernels_cpu.paged_attention import KeyLayout, LayoutPerForward, kernel_fits, load_attention_kernel, paged_attention
-
-logger = logging.getLogger(__name__)
 
 MODES = ("kernel", "sdpa")
 DECODE_TARGET = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode"
 
 
 def attention_mode() -> str:
-    mode = os.environ.get("DSPARK_CPU_ATTENTION", "kernel").strip().lower()
-    if mode not in MODES:
-        raise ValueError(f"DSPARK_CPU_ATTENTION={mode!r}: expected one of {', '.join(MODES)}")
-    return mode
+    return env_choice("DSPARK_CPU_ATTENTION", MODES)
 
 
 @functools.cache
 def kernel_enabled() -> bool:
     """`DSPARK_CPU_ATTENTION=kernel` and the kernel loads here (why not is logged once)."""
-    if attention_mode() != "kernel":
-        return False
-    try:
-        load_attention_kernel()
-    except KernelUnavailable as error:
-        logger.warning("sglang-dspark: no paged attention kernel, SGLang's decode attention serves (slower): %s", error)
-        return False
-    logger.info("sglang-dspark: decode and verify attention read the KV cache in place (DSPARK_CPU_ATTENTION=kernel)")
-    return True
+    return attention_mode() == "kernel" and kernel_loads(
+        load_attention_kernel, "no paged attention kernel, SGLang's decode attention serves (slower)",
+        "decode and verify attention read the KV cache in place (DSPARK_CPU_ATTENTION=kernel)")
 
 
 def plain_self_attention(layer) -> bool:
@@ -57,9 +44,15 @@ def plain_self_attention(layer) -> bool:
 
 
 def layer_fits(layer, query_dtype, cache_dtype) -> bool:
-    group = layer.tp_q_head_num // layer.tp_k_head_num
-    return (kernel_enabled() and plain_self_attention(layer) and layer.tp_q_head_num % layer.tp_k_head_num == 0
-            and kernel_fits(query_dtype, cache_dtype, layer.qk_head_dim, group))
+    """Decided once per attention layer and dtype pair (it runs for every layer of every forward)."""
+    decisions = layer.__dict__.setdefault("_dspark_kernel_fits", {})
+    key = (query_dtype, cache_dtype)
+    if key not in decisions:
+        decisions[key] = (kernel_enabled() and plain_self_attention(layer)
+                          and layer.tp_q_head_num % layer.tp_k_head_num == 0
+                          and kernel_fits(query_dtype, cache_dtype, layer.qk_head_dim,
+                                          layer.tp_q_head_num // layer.tp_k_head_num))
+    return decisions[key]
 
 
 def attend_in_place(backend, q, layer, forward_batch, layouts: LayoutPerForward, spans_of) -> torch.Tensor:

@@ -11,14 +11,10 @@ built (no AVX-512F or no compiler) the server logs why once and serves as with `
 from __future__ import annotations
 
 import functools
-import logging
-import os
 
-from sglang_dspark.kernels_cpu.build import KernelUnavailable
+from sglang_dspark.kernels_cpu.build import env_choice, kernel_loads
 from sglang_dspark.kernels_cpu.layer_ops import (add_rmsnorm, load_layer_ops, rmsnorm_input_fits, rmsnorm_weight_fits,
                                                 rope_fits, rope_neox)
-
-logger = logging.getLogger(__name__)
 
 MODES = ("kernel", "torch")
 RMSNORM_TARGET = "sglang.srt.layers.layernorm.RMSNorm.forward_native"
@@ -26,24 +22,15 @@ ROTARY_TARGET = "sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.forward
 
 
 def layer_ops_mode() -> str:
-    mode = os.environ.get("DSPARK_CPU_LAYER_OPS", "kernel").strip().lower()
-    if mode not in MODES:
-        raise ValueError(f"DSPARK_CPU_LAYER_OPS={mode!r}: expected one of {', '.join(MODES)}")
-    return mode
+    return env_choice("DSPARK_CPU_LAYER_OPS", MODES)
 
 
 @functools.cache
 def kernels_enabled() -> bool:
     """`DSPARK_CPU_LAYER_OPS=kernel` and the kernels load here (why not is logged once)."""
-    if layer_ops_mode() != "kernel":
-        return False
-    try:
-        load_layer_ops()
-    except KernelUnavailable as error:
-        logger.warning("sglang-dspark: no layer-op kernels, SGLang's torch RMSNorm and rotary serve (slower): %s", error)
-        return False
-    logger.info("sglang-dspark: RMSNorm and rotary embedding run as one kernel call each (DSPARK_CPU_LAYER_OPS=kernel)")
-    return True
+    return layer_ops_mode() == "kernel" and kernel_loads(
+        load_layer_ops, "no layer-op kernels, SGLang's torch RMSNorm and rotary serve (slower)",
+        "RMSNorm and rotary embedding run as one kernel call each (DSPARK_CPU_LAYER_OPS=kernel)")
 
 
 def _kernel_serves_norm(norm) -> bool:

@@ -26,17 +26,14 @@ DTYPES = (torch.float32, torch.bfloat16)
 @functools.cache
 def load_layer_ops() -> ctypes.CDLL:
     """The compiled kernels, built on first use; raises `KernelUnavailable` with the reason."""
-    kernel = load_library(SOURCE)
-    kernel.dspark_add_rmsnorm.argtypes = [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    kernel.dspark_add_rmsnorm.restype = None
-    kernel.dspark_rope_neox.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-        ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    kernel.dspark_rope_neox.restype = None
-    return kernel
+    c = ctypes
+    return load_library(SOURCE, {
+        "dspark_add_rmsnorm": [c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p,
+                               c.c_int64, c.c_int64, c.c_float, c.c_int, c.c_int, c.c_int],
+        "dspark_rope_neox": [c.c_void_p, c.c_void_p, c.c_int64, c.c_void_p, c.c_int, c.c_void_p, c.c_int64,
+                             c.c_void_p, c.c_int, c.c_int64, c.c_int, c.c_int, c.c_void_p, c.c_int64, c.c_int,
+                             c.c_int],
+    })
 
 
 def rmsnorm_weight_fits(weight: torch.Tensor) -> bool:

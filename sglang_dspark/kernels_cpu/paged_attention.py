@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_dspark.kernels_cpu.build import KernelUnavailable, load_library
+from sglang_dspark.kernels_cpu.build import load_library
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -29,14 +29,11 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 @functools.cache
 def load_attention_kernel() -> ctypes.CDLL:
     """The compiled kernel, built on first use; raises `KernelUnavailable` with the reason."""
-    kernel = load_library(SOURCE)
-    kernel.dspark_paged_attention.argtypes = [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-        ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int,
-        ctypes.c_int]
-    kernel.dspark_paged_attention.restype = None
-    return kernel
+    c = ctypes
+    return load_library(SOURCE, {"dspark_paged_attention": [
+        c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_void_p,
+        c.c_void_p, c.c_void_p, c.c_int64, c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_int, c.c_float, c.c_int,
+        c.c_int]})
 
 
 def kernel_fits(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, group: int) -> bool:

@@ -51,13 +51,11 @@ class PanelKernelUnavailable(KernelUnavailable):
 def load_kernel() -> ctypes.CDLL:
     """The compiled kernel, built on first use; raises `PanelKernelUnavailable` with the reason."""
     try:
-        kernel = load_library(SOURCE)
+        kernel = load_library(SOURCE, {"dspark_panel_gemm": [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]})
     except KernelUnavailable as error:
         raise PanelKernelUnavailable(str(error)) from error
-    kernel.dspark_panel_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                                         ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
-                                         ctypes.c_int, ctypes.c_int]
-    kernel.dspark_panel_gemm.restype = None
     if kernel.dspark_panel_width() != PANEL_WIDTH:
         raise PanelKernelUnavailable(f"{kernel._name} has panels of {kernel.dspark_panel_width()}, expected {PANEL_WIDTH}")
     return kernel
