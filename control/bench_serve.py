@@ -169,6 +169,7 @@ def step_summary(step_log: Path, skip: int = 0) -> dict:
     return {
         "decode_steps": len(steps),
         "drafted_share": len(drafted) / len(steps),
+        "vetoed_share": sum(bool(s.get("vetoed")) for s in steps) / len(steps),
         "draft_seconds_median": statistics.median(s["draft_seconds"] for s in drafted) if drafted else None,
         "verify_seconds_median": statistics.median(s["verify_seconds"] for s in steps),
         "step_seconds_median": statistics.median(s["measured_seconds"] for s in steps),

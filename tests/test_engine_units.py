@@ -239,6 +239,19 @@ def test_draft_costs_charge_the_block_once_and_the_walk_per_slot():
     assert costs.per_width(4, 3) == pytest.approx([0.0, 0.005, 0.006, 0.007])
 
 
+def test_a_catch_up_after_skipped_steps_is_charged_per_token_not_per_drafting_step():
+    """After 100 skipped steps a drafting step projected 400 rows of taps at once (40 ms): what
+    drafting every step would cost is 4 rows' worth per step, not 40 ms."""
+    from sglang_dspark.engine.planning import DraftCosts
+
+    costs = DraftCosts()
+    assert costs.catch_up_seconds(4) == 0.0, "nothing measured yet"
+    costs.add(4, 7, block_seconds=0.004, walk_seconds=0.007)
+    costs.add_catch_up(rows=400, seconds=0.040)
+    assert costs.catch_up_seconds(4) == pytest.approx(0.0004)
+    assert costs.per_width(4, 1) == pytest.approx([0.0, 0.004 + 0.0004 + 0.001])
+
+
 def test_a_short_draft_width_walks_fewer_slots_and_verifies_within_them(tmp_path, monkeypatch):
     """A step that decided on 2 slots gets 2 columns of confidences; the plan keeps to them."""
     planner = _production_planner(tmp_path, monkeypatch)
@@ -380,7 +393,8 @@ def test_the_planner_rescales_its_table_to_the_steps_it_measures(tmp_path, monke
     for _ in range(200):
         drafted.append(planner.decide(rids, context).draft)
         plan = planner.skipped(rids, context)
-        planner.observe(plan, plan.predicted_seconds / 4)
+        planner.observe(plan, plan.predicted_seconds / 4, step_seconds=plan.predicted_seconds / 4,
+                        committed_tokens=2, drafted=False)
     assert planner.skipped(rids, context).predicted_seconds == pytest.approx(step / 4, rel=0.05)
     assert sum(drafted[-100:]) <= 100 // EXPLORE_EVERY + 1, "against the measured steps it does not"
 

@@ -288,3 +288,63 @@ def test_a_probe_step_verifies_the_most_confident_first_draft_and_normal_steps_d
     confident = EarlyStopPlanner(affine(0.05, 0.01), gamma=7, explore_every=3)
     assert confident.decide(ids).draft_width == 7
     assert confident.verify_lens(survivals, 7).tolist() == [0, 0, 0, 0]
+
+
+def _replay(planner: EarlyStopPlanner, steps: int, drafted_step: tuple[float, float],
+            skipped_step: tuple[float, float]) -> list[int]:
+    """Drive the planner with confident survivals; each step 'measures' (tokens, seconds) of its kind."""
+    ids = list(range(8))
+    survivals = torch.full((8, 7), 0.95).cumprod(dim=1)
+    widths = []
+    for _ in range(steps):
+        width = planner.decide(ids, draft_seconds=0.005).draft_width
+        if width:
+            planner.publish(ids, survivals, width)
+        tokens, seconds = drafted_step if width else skipped_step
+        planner.record_step(len(ids), width > 0, tokens, seconds)
+        widths.append(width)
+    return widths
+
+
+def test_where_drafted_steps_measurably_lose_the_planner_skips_whatever_its_model_says():
+    """At concurrency 16 the table and the survivals both made drafting look worth it while
+    drafted steps delivered 0.84x the tokens/s of skipped ones: measurement overrules the model,
+    and the probes that keep measuring drafted steps back off."""
+    from sglang_dspark.scheduling.planner import MAX_PROBE_BACKOFF
+
+    planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=16)
+    widths = _replay(planner, 800, drafted_step=(10.0, 0.2), skipped_step=(8.0, 0.05))
+    late = widths[-400:]
+    assert planner.vetoed or late[-1] > 0
+    assert 1 <= sum(w > 0 for w in late) <= 400 // (16 * MAX_PROBE_BACKOFF) + 1, late
+
+
+def test_where_drafting_measurably_wins_only_a_rare_step_skips_to_keep_the_comparison_fresh():
+    from sglang_dspark.scheduling.planner import MAX_PROBE_BACKOFF
+
+    planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=16)
+    widths = _replay(planner, 800, drafted_step=(20.0, 0.06), skipped_step=(8.0, 0.05))
+    late = widths[-400:]
+    assert 1 <= late.count(0) <= 400 // (16 * MAX_PROBE_BACKOFF) + 1, late
+    assert not planner.vetoed
+
+
+def test_step_rates_pool_similar_batch_sizes_and_ignore_warmup_and_stalls():
+    from sglang_dspark.scheduling.step_rates import StepRates
+
+    rates = StepRates(decay=0.1, min_samples=4, spread=8, warmup=2)
+    for _ in range(2):
+        rates.add(16, True, 20.0, 5.0)  # a server's first steps: not counted
+    assert rates.rate(16, drafted=True) == (None, 0)
+    for size in (15, 16, 17):
+        for _ in range(4):
+            rates.add(size, True, 18.0, 0.1)
+            rates.add(size, False, 16.0, 0.08)
+    rates.add(16, True, 18.0, 10.0)  # one stall counts at most 2x
+    draft_rate, samples = rates.rate(16, drafted=True)
+    assert samples == 13 and 150.0 < draft_rate < 180.0
+    assert rates.rate(16, drafted=False) == (pytest.approx(200.0), 10)  # warm-up counts per kind
+    assert rates.drafting_loses(16) is True and rates.drafting_loses(18) is True  # 18 +- 2 reaches 16 and 17
+    assert not rates.drafting_loses(4), "nothing measured near batch 4"
+    with pytest.raises(ValueError, match="decay"):
+        StepRates(decay=0.0)

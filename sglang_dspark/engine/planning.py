@@ -15,7 +15,9 @@
   so lossless). When drafts are not worth their cost (a weak drafter, a saturated engine) steps
   skip the drafter and run as plain decoding, with a probe draft every `EXPLORE_EVERY` steps so
   the planner sees when drafts become worth it again. The table's seconds are rescaled to the
-  measured steps (`observe`), so that both sides of the trade are in today's seconds.
+  measured steps (`observe`), so that both sides of the trade are in today's seconds, and where
+  drafted steps measurably delivered fewer tokens/s than skipped ones around this batch size,
+  the step skips whatever the model says (`scheduling.StepRates`).
 
 Survivals a_k = prod_{i<=k} sigmoid(c_i / T_i) use the STS temperatures from `DSPARK_STS_PATH` or
 `<draft>/sts.json` (identity without one); greedy requests use `DSPARK_STS_GREEDY_PATH` or
@@ -80,16 +82,32 @@ class DraftCosts:
     the draft vocabulary, the Markov bias, a softmax and a sample). At batch 16 on this CPU a
     7-slot walk cost 15 ms against 7.6 for 2 slots, so a step that needs 2 drafts drafts 2."""
 
-    def __init__(self, window: int = 128) -> None:
+    def __init__(self, window: int = 128, catch_up_decay: float = 0.05) -> None:
         self.block = DraftCostTracker(window)
         self.per_slot = DraftCostTracker(window)
+        self._catch_up_decay = catch_up_decay
+        self._catch_up = np.zeros(2)  # exponentially forgotten (rows, seconds) of context catch-ups
 
     def add(self, batch_size: int, width: int, block_seconds: float, walk_seconds: float) -> None:
         self.block.add(batch_size, block_seconds)
         self.per_slot.add(batch_size, walk_seconds / max(width, 1))
 
+    def add_catch_up(self, rows: int, seconds: float) -> None:
+        """A drafting step first projected `rows` committed taps into the drafter context."""
+        if rows > 0:
+            self._catch_up += self._catch_up_decay * (np.array([rows, seconds]) - self._catch_up)
+
+    def catch_up_seconds(self, rows: float) -> float:
+        """What keeping the context current costs for `rows` new tokens when every step drafts.
+
+        The worker projects taps only when a step drafts, so a step after a run of skips pays for
+        all of them at once; charged as measured, a rare drafting step would look far dearer
+        than drafting every step is."""
+        return float(rows * self._catch_up[1] / self._catch_up[0]) if self._catch_up[0] > 0 else 0.0
+
     def per_width(self, batch_size: int, gamma: int) -> list[float]:
-        block, slot = self.block.estimate(batch_size), self.per_slot.estimate(batch_size)
+        block = self.block.estimate(batch_size) + self.catch_up_seconds(batch_size)
+        slot = self.per_slot.estimate(batch_size)
         return [0.0] + [block + width * slot for width in range(1, gamma + 1)]
 
 
@@ -100,6 +118,7 @@ class StepDecision:
 
     draft_width: int
     capacity: int | None
+    vetoed: bool = False  # skipped because drafted steps measurably lost (`StepRates`)
 
     @property
     def draft(self) -> bool:
@@ -178,7 +197,8 @@ class VerifyPlanner:
         decision = self.capacity_planner.decide(
             request_ids, context_tokens=float(context_lens.sum()),
             draft_seconds=self.draft_costs.per_width(len(request_ids), self.gamma))
-        return StepDecision(draft_width=decision.draft_width, capacity=decision.capacity)
+        return StepDecision(draft_width=decision.draft_width, capacity=decision.capacity,
+                            vetoed=self.capacity_planner.vetoed)
 
     def plan(self, request_ids: list, confidence_logits: torch.Tensor | None, context_lens: torch.Tensor,
              decision: StepDecision | None = None, greedy: torch.Tensor | None = None) -> Plan:
@@ -233,11 +253,14 @@ class VerifyPlanner:
             return (self._sweep_step - 1) % (self.gamma + 1)
         return self.gamma if self.settings.planner == "all" else self.settings.fixed_drafts
 
-    def observe(self, plan: Plan, target_seconds: float) -> None:
-        """A finished step's seconds after drafting (verify forward, acceptance, bookkeeping: what
-        the table was fitted on): the production planner rescales its table to them."""
+    def observe(self, plan: Plan, target_seconds: float, step_seconds: float, committed_tokens: int,
+                drafted: bool) -> None:
+        """A finished step: its seconds after drafting (verify forward, acceptance, bookkeeping:
+        what the table was fitted on), to which the production planner rescales its table, and
+        the whole step's seconds and committed tokens, which it checks drafting against."""
         if self.capacity_planner is not None:
             self.capacity_planner.observe(plan.step_shape, target_seconds)
+            self.capacity_planner.record_step(len(plan.verify_lens), drafted, committed_tokens, step_seconds)
 
     def _shape(self, batch: int, drafts: int, context_lens: torch.Tensor) -> StepShape | None:
         if self.capacity_planner is None:

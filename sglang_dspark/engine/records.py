@@ -45,6 +45,7 @@ class StepRecord:
     verify_seconds: float
     overlap: bool
     drafted: bool = True  # False: the planner skipped the drafter (drafts not worth their cost)
+    vetoed: bool = False  # skipped although the cost model valued drafting: drafted steps measurably lost
     requests: list[RequestStep] = field(default_factory=list)
 
     def to_json(self) -> dict:

@@ -6,7 +6,7 @@ process, with a clear error for a bad value:
 | variable | default | meaning |
 |---|---|---|
 | `DSPARK_GAMMA` | checkpoint `block_size` | drafts per block (1..block_size) |
-| `DSPARK_PLANNER` | `production` if an SPS table is found, else `all` | `all`: verify every draft; `production`: the draft width worth its measured cost, then early-stop verification in survival order (`scheduling.EarlyStopPlanner`), drafter skipped on steps where it cannot pay; `fixed:N`: verify N drafts per request; `sweep`: a measurement mode for `dspark-ctl bench sps-serve` (step s verifies s mod (gamma+1) drafts per request) |
+| `DSPARK_PLANNER` | `production` if an SPS table is found, else `all` | `all`: verify every draft; `production`: the draft width worth its measured cost, then early-stop verification in survival order (`scheduling.EarlyStopPlanner`), drafter skipped on steps where it cannot pay, and wherever drafted steps measurably delivered fewer tokens/s than skipped ones at this batch size; `fixed:N`: verify N drafts per request; `sweep`: a measurement mode for `dspark-ctl bench sps-serve` (step s verifies s mod (gamma+1) drafts per request) |
 | `DSPARK_SPS_PATH` | `<draft>/sps-<dtype>.json`, else `<draft>/sps.json`, if present | cost model JSON (`scheduling.load_cost_model`) |
 | `DSPARK_STS_PATH` | `<draft>/sts.json` if present | STS temperatures JSON (`calibration.StsCalibration`) |
 | `DSPARK_STS_GREEDY_PATH` | `<draft>/sts-greedy.json` if present | STS calibration for greedy requests (a greedy draft survives by argmax match, a different event from sampled acceptance, so one calibration does not fit both); without it greedy requests use `DSPARK_STS_PATH` |
@@ -14,7 +14,7 @@ process, with a clear error for a bad value:
 | `DSPARK_SEED` | 0 | seed of the drafter's and verifier's sampling generator |
 | `DSPARK_STEP_LOG` | unset | also append every step record as a JSON line to this file (benchmarks) |
 | `DSPARK_DRAFT_DTYPE` | `auto` | the drafter's dtype: `auto` (the target's, except float32 on a CPU without native bf16 math, where bf16 drafting ran ~2x slower), `float32`, `bfloat16`, `float16` |
-| `DSPARK_PREFIX_CACHE` | `on` | keep SGLang's radix (prefix) cache: the worker stores every committed token's taps beside its KV slot, so a prefix served from the cache seeds the drafter's context without a target forward; `off` disables the radix cache (no tap store memory: one row of taps per KV slot) |
+| `DSPARK_PREFIX_CACHE` | `on` | keep SGLang's radix (prefix) cache: the worker stores every committed token's taps beside its KV slot (the tap store, one row per KV slot), so a prefix served from the cache seeds the drafter's context without a target forward; `off` disables the radix cache |
 | `DSPARK_VERIFY_ATTENTION` | `linear` | CPU verify attention: `linear` (the window's queries over the request's KV only: the paged kernel, or SDPA with `DSPARK_CPU_ATTENTION=sdpa`) or `native` (SGLang torch_native extend, re-attends the prefix) |
 """
 

@@ -7,10 +7,11 @@ One decode step, for the whole batch:
 3. verify: ONE target forward over every request's `[bonus, admitted drafts]` (ragged), run as
    `TARGET_VERIFY` so the logits processor keeps every row, and capturing the tapped layers;
 4. accept: greedy rows by argmax match, sampled rows by rejection sampling (`decoding.verify`);
-5. commit: the accepted tokens' taps extend the drafter context and are stored beside their KV
-   slots (the tap store: a prefix that SGLang's radix cache serves later seeds a drafter context
-   from it); KV of rejected drafts stays in the request's reserved slots and is overwritten by
-   the next window;
+5. commit: the accepted tokens' taps are stored beside their KV slots (the tap store); KV of
+   rejected drafts stays in the request's reserved slots and is overwritten by the next window.
+   The drafter context catches up from the tap store only when a step drafts (`_catch_up`), so
+   a step that skips the drafter costs what plain decoding costs, and a prefix that SGLang's
+   radix cache serves seeds the context the same way;
 6. `on_publish(new_seq_lens)` exactly once, then the V2 result with `next_draft_input`.
 
 The scheduler owns request state, KV allocation and finishing (EOS, stop strings,
@@ -33,7 +34,7 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 
 from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block, verify
 from sglang_dspark.engine import verify_attention
-from sglang_dspark.engine.planning import VerifyPlanner
+from sglang_dspark.engine.planning import StepDecision, VerifyPlanner
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
 from sglang_dspark.engine.settings import load_settings
 from sglang_dspark.kernels_cpu.gemm_layout import gemm_layout_mode, relayout_linears
@@ -108,17 +109,17 @@ class DSparkLiveWorker(BaseSpecWorker):
         return None
 
     def alloc_memory_pool(self, **kwargs) -> None:
-        """Share the target's pools; size the drafter context cache to SGLang's request slots, and
-        (with the radix cache on) the tap store to its KV slots."""
+        """Share the target's pools; size the drafter context cache to SGLang's request slots and
+        the tap store to its KV slots."""
         self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
         num_slots = int(self.req_to_token_pool.req_to_token.shape[0])
         self.context = self.drafter.new_cache(num_slots=num_slots, capacity=256)
-        if not self.server_args.disable_radix_cache:
-            kv_rows = int(self.model_runner.token_to_kv_pool.get_key_buffer(0).shape[0])
-            self.tap_store = torch.zeros((kv_rows, self.drafter.fc.in_features), dtype=self.model_runner.dtype,
-                                         device=self.device)
-            logger.info("DSPARK_LIVE: prefix cache on; tap store of %d KV slots x %d (%.0f MB)", kv_rows,
-                        self.tap_store.shape[1], self.tap_store.numel() * self.tap_store.element_size() / 2**20)
+        kv_rows = int(self.model_runner.token_to_kv_pool.get_key_buffer(0).shape[0])
+        self.tap_store = torch.zeros((kv_rows, self.drafter.fc.in_features), dtype=self.model_runner.dtype,
+                                     device=self.device)
+        logger.info("DSPARK_LIVE: tap store of %d KV slots x %d (%.0f MB), radix cache %s", kv_rows,
+                    self.tap_store.shape[1], self.tap_store.numel() * self.tap_store.element_size() / 2**20,
+                    "off" if self.server_args.disable_radix_cache else "on")
 
     def _load_drafter(self):
         """Load the checkpoint sharing the target's embedding and lm_head tensors, in its dtype."""
@@ -165,7 +166,7 @@ class DSparkLiveWorker(BaseSpecWorker):
     # ------------------------------------------------------------------ prefill
 
     def _forward_prefill(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
-        """Target extend capturing the taps of every new prompt position; seed the drafter context."""
+        """Target extend capturing the taps of every new prompt position into the tap store."""
         slots = batch.req_pool_indices.to(torch.long).cpu()
         prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.long)
         extend_lens = torch.tensor(batch.extend_lens, dtype=torch.long)
@@ -178,7 +179,6 @@ class DSparkLiveWorker(BaseSpecWorker):
                 f"hidden capture, got {None if taps is None else tuple(taps.shape)}"
             )
         self._store_taps(batch.out_cache_loc, taps)
-        self.drafter.append_context(self.context, slots, taps, extend_lens)
         result.logits_output.hidden_states = None
         result.new_seq_lens = batch.seq_lens
         if on_publish is not None:
@@ -189,37 +189,37 @@ class DSparkLiveWorker(BaseSpecWorker):
         return result
 
     def _align_context(self, slots: torch.Tensor, prefix_lens: torch.Tensor, rids: list[str]) -> None:
-        """Before an extend, a slot's context must hold exactly the request's prefix.
-
-        A chunked prefill's next chunk finds its own context; a new request (or a retracted one
-        back) in a slot cuts the context to what is still its own, and the rest of the prefix,
-        served by the radix cache, comes from the tap store at the prefix's KV slots. Without a
-        tap store (`DSPARK_PREFIX_CACHE=off`) a prefix the context never saw is an error.
-        """
+        """Before an extend, a slot's context must hold no more than the request's own prefix: a
+        chunked prefill's next chunk keeps its context, a new request (or a retracted one back)
+        in a slot cuts it to what is still its own. `_catch_up` fills in the rest (the radix
+        cache's prefix too) from the tap store when the slot next drafts."""
         same_owner = torch.tensor([self._slot_owner.get(int(slot)) == rid for slot, rid in zip(slots.tolist(), rids)])
         for slot, rid in zip(slots.tolist(), rids):
             self._slot_owner[slot] = rid
         kept = torch.where(same_owner, torch.minimum(self.context.lengths[slots], prefix_lens), torch.zeros_like(prefix_lens))
         self.context.truncate(slots, kept)
-        missing = prefix_lens - kept
-        if not bool((missing > 0).any()):
-            return
-        if self.tap_store is None:
-            bad = (missing > 0).nonzero().flatten().tolist()
-            raise RuntimeError(
-                f"DSPARK_LIVE: slots {slots[bad].tolist()} start their extend after a {prefix_lens[bad].tolist()}-token "
-                "prefix the drafter never saw, and there is no tap store (DSPARK_PREFIX_CACHE=off disables the "
-                "radix cache; was it re-enabled?)")
-        req_to_token = self.req_to_token_pool.req_to_token
+
+    def _catch_up(self, slots: torch.Tensor, seq_lens: torch.Tensor) -> int:
+        """Project each slot's committed taps the drafter context has not seen yet, read from the
+        tap store at the request's KV slots (one batched projection for every skipped step);
+        returns how many."""
+        lengths = self.context.lengths[slots].cpu()
+        missing = seq_lens - lengths
         rows = missing > 0
-        kv_slots = torch.cat([req_to_token[int(slot), int(start): int(end)]
-                              for slot, start, end in zip(slots[rows], kept[rows], prefix_lens[rows])]).to(torch.long)
-        self.drafter.append_context(self.context, slots[rows], self.tap_store[kv_slots.to(self.device)], missing[rows])
+        if not bool(rows.any()):
+            return 0
+        slots, lengths, missing = slots[rows], lengths[rows], missing[rows]
+        row_slot = torch.repeat_interleave(slots, missing)
+        offsets = torch.arange(int(missing.sum())) - torch.repeat_interleave(torch.cumsum(missing, 0) - missing, missing)
+        positions = torch.repeat_interleave(lengths, missing) + offsets
+        req_to_token = self.req_to_token_pool.req_to_token
+        kv_slots = req_to_token[row_slot.to(req_to_token.device), positions.to(req_to_token.device)].to(torch.long)
+        self.drafter.append_context(self.context, slots, self.tap_store[kv_slots.to(self.device)], missing)
+        return int(missing.sum())
 
     def _store_taps(self, kv_slots: torch.Tensor, taps: torch.Tensor) -> None:
-        """Keep committed tokens' taps beside their KV (a radix-cache hit later reads them back)."""
-        if self.tap_store is not None:
-            self.tap_store[kv_slots.to(device=self.device, dtype=torch.long)] = taps.to(self.tap_store.dtype)
+        """Keep committed tokens' taps beside their KV, where `_catch_up` reads them."""
+        self.tap_store[kv_slots.to(device=self.device, dtype=torch.long)] = taps.to(self.tap_store.dtype)
 
     # ------------------------------------------------------------------- decode
 
@@ -230,16 +230,21 @@ class DSparkLiveWorker(BaseSpecWorker):
         seq_lens = batch.seq_lens.to(torch.long).cpu()
         bonus = batch.spec_info.bonus_tokens.to(torch.long).reshape(-1).cpu()
         params = sampling_params_of(batch)
-        if not bool((self.context.lengths[slots] == seq_lens).all()):
+        if not bool((self.context.lengths[slots].cpu() <= seq_lens).all()):
             raise RuntimeError(
-                f"DSPARK_LIVE: drafter context lengths {self.context.lengths[slots].tolist()} differ from "
+                f"DSPARK_LIVE: drafter context lengths {self.context.lengths[slots].tolist()} exceed the "
                 f"committed lengths {seq_lens.tolist()} (slots {slots.tolist()})"
             )
 
         rids = [req.rid for req in batch.reqs]
         decision = self.planner.decide(rids, seq_lens)
+        catch_up_seconds = 0.0
         if decision.draft:  # only the slots this step may verify are walked
+            catch_up_started = time.perf_counter()
+            caught_up = self._catch_up(slots, seq_lens)
             block_started = time.perf_counter()
+            catch_up_seconds = block_started - catch_up_started
+            self.planner.draft_costs.add_catch_up(caught_up, catch_up_seconds)
             hidden = self.drafter.forward_block(self.context, slots, bonus)[:, : decision.draft_width]
             walk_started = time.perf_counter()
             draft = sample_block(self.drafter, hidden, bonus.to(self.device), params.to(self.device),
@@ -262,7 +267,6 @@ class DSparkLiveWorker(BaseSpecWorker):
         new_seq_lens = seq_lens + accept_lens
         committed = _committed_index(window_lens, accept_lens)
         self._store_taps(window_kv_slots[committed], taps[committed])
-        self.drafter.append_context(self.context, slots, taps[committed], accept_lens)
         rows = torch.arange(batch_size)
         new_bonus = outcome.tokens[rows, outcome.num_accepted]
         if on_publish is not None:
@@ -271,7 +275,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         next_tokens = torch.zeros((batch_size, self.stride), dtype=torch.int64)
         next_tokens[:, : outcome.tokens.shape[1]] = outcome.tokens.clamp(min=0)
         self._record(batch, rids, slots, seq_lens, params, plan, outcome.num_accepted,
-                     started, drafted, verified, decision.draft)
+                     started, drafted, verified, decision, catch_up_seconds)
         return GenerationBatchResult(
             logits_output=None,
             next_token_ids=next_tokens.reshape(-1).to(self.device),
@@ -342,10 +346,16 @@ class DSparkLiveWorker(BaseSpecWorker):
     # ------------------------------------------------------------------ records
 
     def _record(self, batch, rids, slots, seq_lens, params, plan, num_accepted, started, drafted, verified,
-                did_draft: bool):
+                decision: StepDecision, catch_up_seconds: float):
         self._step += 1
         finished = time.perf_counter()
-        self.planner.observe(plan, finished - drafted)
+        committed = int(num_accepted.sum()) + len(rids)
+        # a drafting step's seconds as if every step drafted: the catch-up it paid for skipped
+        # steps is replaced by the steady cost of projecting this step's committed tokens
+        steady_seconds = finished - started - catch_up_seconds + (
+            self.planner.draft_costs.catch_up_seconds(committed) if decision.draft else 0.0)
+        self.planner.observe(plan, target_seconds=finished - drafted, step_seconds=steady_seconds,
+                             committed_tokens=committed, drafted=decision.draft)
         no_head = [[] for _ in rids]  # a drafter without a confidence head predicts no survivals
         confidences = no_head if plan.confidence_logits is None else plan.confidence_logits.tolist()
         survivals = no_head if plan.survivals is None else plan.survivals.tolist()
@@ -362,7 +372,8 @@ class DSparkLiveWorker(BaseSpecWorker):
             verify_tokens=sum(verify_lens) + len(rids), accepted_tokens=sum(accepted),
             committed_tokens=sum(accepted) + len(rids), predicted_seconds=plan.predicted_seconds,
             measured_seconds=finished - started, draft_seconds=drafted - started,
-            verify_seconds=verified - drafted, overlap=self.enable_overlap, drafted=did_draft,
+            verify_seconds=verified - drafted, overlap=self.enable_overlap, drafted=decision.draft,
+            vetoed=decision.vetoed,
             requests=requests,
         ))
 

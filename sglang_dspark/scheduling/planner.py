@@ -35,8 +35,11 @@ import numpy as np
 import torch
 
 from sglang_dspark.scheduling.cost_model import CostModel, CostModelSlot, ScaledCostModel, StepCostTable, StepShape
+from sglang_dspark.scheduling.step_rates import StepRates
 
 DEFAULT_SURVIVAL_EPS = 1e-6
+MAX_PROBE_BACKOFF = 8
+"""Probes and skip samples come at most every `explore_every` x this many steps."""
 
 
 class PlannerError(ValueError):
@@ -605,14 +608,27 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
     from the recent steps' survival rows (any request: a pool, not a per-request lag), charges
     the drafter's measured cost for that width, and keeps the best (width 0: skip the drafter,
     with a probe every `explore_every` steps). Then `verify_lens` applies the rule for real.
-    `capacity` in its decisions is the most the width allows (the early stop admits fewer)."""
+    `capacity` in its decisions is the most the width allows (the early stop admits fewer).
+
+    What the model values is checked against what the steps measured (`record_step`,
+    `StepRates`): where drafted steps around this batch size delivered fewer tokens/s than
+    skipped ones, the step skips whatever the model says (`vetoed`), and the probes that keep
+    the drafted side measured back off to every `explore_every * MAX_PROBE_BACKOFF` steps while
+    drafting keeps losing. Where skipped steps have not been measured lately, one drafted step
+    in `explore_every * MAX_PROBE_BACKOFF` skips instead (every `explore_every` until
+    `StepRates.min_samples` are known), so the comparison exists wherever the model drafts."""
 
     def __init__(self, cost_model: CostModel | CostModelSlot, gamma: int, *, pool_steps: int = 16,
-                 virtual_rows: int = 256, explore_every: int = 16, seed: int = 0, **kwargs) -> None:
+                 virtual_rows: int = 256, explore_every: int = 16, seed: int = 0,
+                 rates: StepRates | None = None, **kwargs) -> None:
         super().__init__(cost_model, gamma, lag=1, window=pool_steps, explore_every=explore_every, **kwargs)
         self.virtual_rows = virtual_rows
         self._probing = False  # this step drafts only because drafting was skipped for too long
         self._rng = np.random.default_rng(seed)
+        self.rates = rates or StepRates()
+        self._probe_every = explore_every
+        self._drafts_in_a_row = 0
+        self.vetoed = False  # the last decision skipped because drafting measurably lost
 
     def _throughput(self, batch: int, context_tokens: float) -> float:
         """lambda: the recent decisions' tokens/s, or plain decoding's before there are any."""
@@ -622,11 +638,26 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         one_token = _target_seconds(self.cost_model, batch, np.array([float(batch)]), context_tokens)[0]
         return batch / (one_token + self.fixed_seconds)
 
+    def record_step(self, batch_size: int, drafted: bool, committed_tokens: float, seconds: float) -> None:
+        """A finished step as measured (drafting included), for the draft-or-skip check."""
+        self.rates.add(batch_size, drafted, committed_tokens, seconds)
+
     def decide(self, request_ids: Sequence[Hashable], *, context_tokens: float = 0.0,
                draft_seconds: float | Sequence[float] = 0.0, **unused) -> CapacityDecision:
         batch = len(request_ids)
+        self.vetoed = False
         if not self._history:  # nothing known: draft the whole block and learn
             return CapacityDecision(batch * self.gamma, self.gamma, float("nan"), float("nan"))
+        expected, seconds = self._width_values(batch, context_tokens, draft_seconds)
+        value = expected - self._throughput(batch, context_tokens) * seconds
+        width = self._choose_width(batch, value)
+        decision = CapacityDecision(batch * width, width, float(expected[width]), float(seconds[width]))
+        self._track_throughput(decision)
+        return decision
+
+    def _width_values(self, batch: int, context_tokens: float,
+                      draft_seconds: float | Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+        """Expected committed tokens and seconds of drafting each width 0..gamma this step."""
         pool = np.concatenate([snapshot.survivals for snapshot in self._history])
         virtual = pool[self._rng.integers(0, len(pool), size=(max(1, self.virtual_rows // batch), batch))]
         costs = _draft_costs(draft_seconds, self.gamma)
@@ -643,15 +674,37 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
             admitted = np.cumprod(pays, axis=1)
             expected[width] = batch + (candidates * admitted).sum(axis=1).mean()
             seconds[width] = target[admitted.sum(axis=1)].mean() + costs[width]
-        value = expected - throughput * seconds
-        self._probing = self._skips + 1 >= self.explore_every and int(np.argmax(value)) == 0
-        if self._probing:
-            value[0] = -np.inf
-        width = self.gamma - int(np.argmax(value[::-1]))  # ties go to the wider block
+        return expected, seconds
+
+    def _choose_width(self, batch: int, value: np.ndarray) -> int:
+        """The best width by value (ties to the wider block), then the measured check and the
+        probes on either side of it."""
+        best = self.gamma - int(np.argmax(value[::-1]))
+        drafting_loses = self.rates.drafting_loses(batch)
+        wants_draft = best > 0 and not drafting_loses
+        self._probing = not wants_draft and self._skips + 1 >= self._probe_every
+        if self._probing:  # draft anyway, at the best width the model sees
+            width = self.gamma - int(np.argmax(value[:0:-1]))
+            if drafting_loses:
+                self._probe_every = min(2 * self._probe_every, self.explore_every * MAX_PROBE_BACKOFF)
+        elif wants_draft and self._skip_sample_due(batch):
+            width = 0
+        else:
+            width = best if wants_draft else 0
+            self.vetoed = best > 0 and drafting_loses
+        if not drafting_loses:
+            self._probe_every = self.explore_every
         self._skips = 0 if width > 0 else self._skips + 1
-        decision = CapacityDecision(batch * width, width, float(expected[width]), float(seconds[width]))
-        self._track_throughput(decision)
-        return decision
+        self._drafts_in_a_row = self._drafts_in_a_row + 1 if width > 0 else 0
+        return width
+
+    def _skip_sample_due(self, batch: int) -> bool:
+        """Whether this drafted step should skip to measure skipped steps (see the class doc);
+        never before drafted steps are measured here (nothing to compare with yet)."""
+        if not self.rates.known(batch, drafted=True):
+            return False
+        every = self.explore_every if not self.rates.known(batch, drafted=False) else self.explore_every * MAX_PROBE_BACKOFF
+        return self._drafts_in_a_row + 1 >= every
 
     def verify_lens(self, survivals: torch.Tensor, max_lens: torch.Tensor | int,
                     context_tokens: float = 0.0) -> torch.Tensor:
