@@ -486,3 +486,12 @@ def test_verify_logits_are_padded_per_request_and_equal_windows_are_not_copied()
     assert ragged.tolist() == [[[0, 1], [0, 0], [0, 0]], [[2, 3], [4, 5], [6, 7]], [[8, 9], [10, 11], [0, 0]]]
     equal = _pad_rows(packed, torch.tensor([3, 3]))
     assert equal.shape == (2, 3, 2) and equal.data_ptr() == packed.data_ptr()
+
+
+def test_packed_window_rows_know_their_request_and_offset_and_which_are_committed():
+    from sglang_dspark.engine.worker import _committed_rows, _ragged_rows
+
+    request, offset = _ragged_rows(torch.tensor([1, 3, 0, 2]))
+    assert request.tolist() == [0, 1, 1, 1, 3, 3] and offset.tolist() == [0, 0, 1, 2, 0, 1]
+    committed = _committed_rows(torch.tensor([1, 3, 2]), accept_lens=torch.tensor([1, 2, 1]))
+    assert committed.tolist() == [True, True, True, False, True, False]

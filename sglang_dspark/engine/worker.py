@@ -32,7 +32,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 
-from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block, verify
+from sglang_dspark.decoding import DraftBlock, SamplingParams, VerifyResult, sample_block, verify
 from sglang_dspark.engine import verify_attention
 from sglang_dspark.engine.planning import StepDecision, VerifyPlanner
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
@@ -209,11 +209,10 @@ class DSparkLiveWorker(BaseSpecWorker):
         if not bool(rows.any()):
             return 0
         slots, lengths, missing = slots[rows], lengths[rows], missing[rows]
-        row_slot = torch.repeat_interleave(slots, missing)
-        offsets = torch.arange(int(missing.sum())) - torch.repeat_interleave(torch.cumsum(missing, 0) - missing, missing)
-        positions = torch.repeat_interleave(lengths, missing) + offsets
+        request, offset = _ragged_rows(missing)
         req_to_token = self.req_to_token_pool.req_to_token
-        kv_slots = req_to_token[row_slot.to(req_to_token.device), positions.to(req_to_token.device)].to(torch.long)
+        kv_slots = req_to_token[slots[request].to(req_to_token.device),
+                                (lengths[request] + offset).to(req_to_token.device)].to(torch.long)
         self.drafter.append_context(self.context, slots, self.tap_store[kv_slots.to(self.device)], missing)
         return int(missing.sum())
 
@@ -262,11 +261,17 @@ class DSparkLiveWorker(BaseSpecWorker):
         logits, taps, window_kv_slots = self._verify_forward(batch, slots, seq_lens, bonus, drafts, plan.verify_lens)
         verified = time.perf_counter()
         window_lens = plan.verify_lens + 1
-        outcome = verify(draft, _pad_rows(logits, window_lens), plan.verify_lens, params, self.verify_generator)
+        if not decision.draft and bool(params.greedy.all()):  # a greedy one-token step: the argmax
+            outcome = VerifyResult(num_accepted=torch.zeros(batch_size, dtype=torch.long),
+                                   tokens=logits.argmax(-1, keepdim=True))
+        else:
+            outcome = verify(draft, _pad_rows(logits, window_lens), plan.verify_lens, params, self.verify_generator)
         accept_lens = outcome.num_accepted + 1
         new_seq_lens = seq_lens + accept_lens
-        committed = _committed_index(window_lens, accept_lens)
-        self._store_taps(window_kv_slots[committed], taps[committed])
+        if decision.draft:
+            committed = _committed_rows(window_lens, accept_lens)
+            window_kv_slots, taps = window_kv_slots[committed], taps[committed]
+        self._store_taps(window_kv_slots, taps)  # a one-token step commits every row
         rows = torch.arange(batch_size)
         new_bonus = outcome.tokens[rows, outcome.num_accepted]
         if on_publish is not None:
@@ -308,13 +313,13 @@ class DSparkLiveWorker(BaseSpecWorker):
         """
         self._install_verify_attention()
         window_lens = verify_lens + 1
-        token_rows = [torch.cat((bonus[b : b + 1], drafts[b, : int(verify_lens[b])]))
-                      for b in range(len(slots))]
-        input_ids = torch.cat(token_rows).to(self.device)
-        positions = torch.cat([torch.arange(int(s), int(s) + int(w)) for s, w in zip(seq_lens, window_lens)])
+        request, offset = _ragged_rows(window_lens)
+        windows = torch.cat((bonus[:, None], drafts.cpu()), dim=1)
+        input_ids = windows[request, offset].to(self.device)
+        positions = seq_lens[request] + offset
         req_to_token = self.req_to_token_pool.req_to_token
-        out_cache_loc = torch.cat([req_to_token[int(slot), int(s): int(s) + int(w)]
-                                   for slot, s, w in zip(slots, seq_lens, window_lens)]).to(torch.int64)
+        out_cache_loc = req_to_token[slots[request].to(req_to_token.device),
+                                     positions.to(req_to_token.device)].to(torch.int64).cpu()
         if bool((out_cache_loc <= 0).any()):
             raise RuntimeError("DSPARK_LIVE verify: a window slot was not reserved by the scheduler (KV id 0)")
 
@@ -417,7 +422,15 @@ def _pad_rows(packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _committed_index(window_lens: torch.Tensor, accept_lens: torch.Tensor) -> torch.Tensor:
-    """Row indices of the first `accept_lens[b]` rows of each request's window (packed in request order)."""
-    starts = torch.cumsum(window_lens, 0) - window_lens
-    return torch.cat([torch.arange(int(s), int(s) + int(a)) for s, a in zip(starts, accept_lens)])
+def _ragged_rows(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows packed request by request (`lengths[b]` rows each): each row's request and its
+    offset within the request's run (vectorised: per-request Python cost ~1.4 % of a batch-16 step)."""
+    request = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    return request, torch.arange(int(lengths.sum())) - starts[request]
+
+
+def _committed_rows(window_lens: torch.Tensor, accept_lens: torch.Tensor) -> torch.Tensor:
+    """Mask of the packed window rows that are committed: the first `accept_lens[b]` of each window."""
+    request, offset = _ragged_rows(window_lens)
+    return offset < accept_lens[request]
