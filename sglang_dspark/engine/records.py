@@ -46,6 +46,8 @@ class StepRecord:
     overlap: bool
     drafted: bool = True  # False: the planner skipped the drafter (drafts not worth their cost)
     vetoed: bool = False  # skipped although the cost model valued drafting: drafted steps measurably lost
+    catch_up_rows: int = 0  # committed taps first projected into the drafter context this step
+    catch_up_seconds: float = 0.0  # their share of draft_seconds
     requests: list[RequestStep] = field(default_factory=list)
 
     def to_json(self) -> dict:

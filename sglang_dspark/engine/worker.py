@@ -237,7 +237,7 @@ class DSparkLiveWorker(BaseSpecWorker):
 
         rids = [req.rid for req in batch.reqs]
         decision = self.planner.decide(rids, seq_lens)
-        catch_up_seconds = 0.0
+        caught_up, catch_up_seconds = 0, 0.0
         if decision.draft:  # only the slots this step may verify are walked
             catch_up_started = time.perf_counter()
             caught_up = self._catch_up(slots, seq_lens)
@@ -280,7 +280,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         next_tokens = torch.zeros((batch_size, self.stride), dtype=torch.int64)
         next_tokens[:, : outcome.tokens.shape[1]] = outcome.tokens.clamp(min=0)
         self._record(batch, rids, slots, seq_lens, params, plan, outcome.num_accepted,
-                     started, drafted, verified, decision, catch_up_seconds)
+                     started, drafted, verified, decision, caught_up, catch_up_seconds)
         return GenerationBatchResult(
             logits_output=None,
             next_token_ids=next_tokens.reshape(-1).to(self.device),
@@ -351,7 +351,7 @@ class DSparkLiveWorker(BaseSpecWorker):
     # ------------------------------------------------------------------ records
 
     def _record(self, batch, rids, slots, seq_lens, params, plan, num_accepted, started, drafted, verified,
-                decision: StepDecision, catch_up_seconds: float):
+                decision: StepDecision, caught_up: int, catch_up_seconds: float):
         self._step += 1
         finished = time.perf_counter()
         committed = int(num_accepted.sum()) + len(rids)
@@ -378,7 +378,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             committed_tokens=sum(accepted) + len(rids), predicted_seconds=plan.predicted_seconds,
             measured_seconds=finished - started, draft_seconds=drafted - started,
             verify_seconds=verified - drafted, overlap=self.enable_overlap, drafted=decision.draft,
-            vetoed=decision.vetoed,
+            vetoed=decision.vetoed, catch_up_rows=caught_up, catch_up_seconds=catch_up_seconds,
             requests=requests,
         ))
 
