@@ -346,7 +346,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         logits = output.next_token_logits[:, : self.vocab_size]
         if output.hidden_states is None or output.hidden_states.shape[0] != logits.shape[0]:
             raise RuntimeError("DSPARK_LIVE verify: the target returned no taps for the verify window")
-        return logits.float().cpu(), output.hidden_states.cpu(), out_cache_loc.cpu()
+        return logits.float().cpu(), output.hidden_states.cpu(), out_cache_loc
 
     # ------------------------------------------------------------------ records
 

@@ -612,7 +612,7 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
 
     What the model values is checked against what the steps measured (`record_step`,
     `StepRates`): where drafted steps around this batch size delivered fewer tokens/s than
-    skipped ones, the step skips whatever the model says (`vetoed`), and the probes that keep
+    skipped ones (by more than `StepRates.margin`), the step skips whatever the model says (`vetoed`), and the probes that keep
     the drafted side measured back off to every `explore_every * MAX_PROBE_BACKOFF` steps while
     drafting keeps losing. Where skipped steps have not been measured lately, one drafted step
     in `explore_every * MAX_PROBE_BACKOFF` skips instead (every `explore_every` until
