@@ -139,11 +139,67 @@ def test_a_column_major_drafter_drafts_the_same_blocks():
     torch.testing.assert_close(block(), before)
 
 
+def test_a_drafter_with_panel_linears_drafts_the_same_blocks_and_keeps_its_parameters():
+    """The worker gives the drafter's linears weight panels for small inputs: same parameters and
+    state_dict, blocks equal up to summation order, and inputs outside the row range still take
+    the BLAS."""
+    from sglang_dspark.kernels_cpu.gemm_layout import PanelLinear, add_linear_panels
+    from tests.tiny import make_tiny_drafter, make_tiny_target, tiny_taps
+
+    target = make_tiny_target(seed=0)
+    drafter = make_tiny_drafter(target, num_layers=2, gamma=4)
+    ids = torch.randint(3, 400, (1, 12), generator=torch.Generator().manual_seed(0))
+    taps = tiny_taps(target, ids)[0]
+
+    def block() -> torch.Tensor:
+        cache = drafter.new_cache(num_slots=1, capacity=16)
+        drafter.append_context(cache, [0], taps[:10], [10])
+        return drafter.forward_block(cache, [0], ids[0, 10:11])
+
+    before, keys = block(), set(drafter.state_dict())
+    linears = [m for m in drafter.modules() if type(m) is torch.nn.Linear]
+    assert add_linear_panels(drafter, rows=range(1, 11)) == len(linears) > 0
+    assert not any(type(m) is torch.nn.Linear for m in drafter.modules()), "a second pass finds none left"
+    assert set(drafter.state_dict()) == keys
+    panel = next(m for m in drafter.modules() if isinstance(m, PanelLinear))
+    calls = []
+    panel.panels = _CountingPanels(panel.panels, calls)
+    torch.testing.assert_close(block(), before, rtol=1e-4, atol=1e-4)  # 10 context rows, 4 block rows: panels
+    assert calls, "inputs of 1-10 rows went through the panels"
+    calls.clear()
+    wide = torch.randn(12, panel.in_features)
+    torch.testing.assert_close(panel(wide), F.linear(wide, panel.weight, panel.bias))
+    assert not calls, "12 rows are outside the range: the BLAS serves them"
+
+
+class _CountingPanels(torch.Tensor):
+    """The same panels, noting each time the kernel reads them (`data_ptr`)."""
+
+    @staticmethod
+    def __new__(cls, panels: torch.Tensor, calls: list):
+        view = panels.as_subclass(cls)
+        view.calls = calls
+        return view
+
+    def data_ptr(self) -> int:
+        self.calls.append(1)
+        return super().data_ptr()
+
+
+def test_the_drafter_takes_the_panels_where_they_are_faster_on_this_cpu():
+    from sglang_dspark.kernels_cpu.gemm_layout import fastest_panel_rows
+
+    assert fastest_panel_rows(torch.bfloat16, {"avx512f", "avx512_bf16"})[-1] > 10**6
+    assert fastest_panel_rows(torch.bfloat16, {"avx512f", "amx_bf16"}) == range(1, 16), "AMX wins from 16 rows"
+    assert fastest_panel_rows(torch.float32, {"avx512f", "amx_bf16"}) == range(2, 33), "AMX does not multiply float32"
+
+
 def test_the_panel_row_range_comes_from_the_knob_with_a_default_per_dtype(monkeypatch):
     from sglang_dspark.kernels_cpu.gemm_layout import panel_rows_setting
 
     assert panel_rows_setting(torch.float32) == range(2, 33)
-    assert panel_rows_setting(torch.bfloat16)[0] == 1 and 10**6 in panel_rows_setting(torch.bfloat16)
+    assert panel_rows_setting(torch.bfloat16)[0] == 1 and 10**6 in panel_rows_setting(torch.bfloat16), (
+        "the target takes panels at every bf16 row count, AMX or not: only they are batch-invariant")
     monkeypatch.setenv("DSPARK_CPU_PANEL_ROWS", " 1-8 ")
     assert panel_rows_setting(torch.float32) == range(1, 9)
     monkeypatch.setenv("DSPARK_CPU_PANEL_ROWS", "4-")

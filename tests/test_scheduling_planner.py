@@ -2,6 +2,7 @@
 the two planners, and non-anticipation (with a control showing the test catches a planner that
 anticipates, the paper's Appendix A counterexample)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -262,6 +263,31 @@ def test_early_stop_planner_drafts_for_confident_traffic_and_skips_hopeless_traf
     hopeless.publish(ids, torch.full((8, 7), 0.05).cumprod(dim=1))
     widths = [hopeless.decide(ids, draft_seconds=0.01).draft_width for _ in range(10)]
     assert widths.count(0) == 8 and widths[4] > 0 and widths[9] > 0, "skips, with a probe now and then"
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_the_width_values_equal_a_per_width_evaluation(batch):
+    """The planner values every width in one pass (it runs on every decode step); each width's
+    expected tokens and seconds equal evaluating that width alone: the virtual batches' survivals
+    at slots < w, best first, admitted while each pays for its marginal seconds."""
+    planner = EarlyStopPlanner(convex(), gamma=7, seed=3)
+    ids = list(range(batch))
+    planner.publish(ids, random_survivals(batch, 7, seed=batch))
+    per_slot = [0.0] + [0.002 * w for w in range(1, 8)]
+    state = planner._rng.bit_generator.state
+    expected, seconds = planner._width_values(batch, 120.0, per_slot)
+
+    planner._rng.bit_generator.state = state  # the same virtual batches
+    pool = np.concatenate([snapshot.survivals for snapshot in planner._history])
+    virtual = pool[planner._rng.integers(0, len(pool), size=(max(1, planner.virtual_rows // batch), batch))]
+    target = convex().seconds_curve(batch, batch + np.arange(batch * 7 + 1, dtype=np.float64), 120.0)
+    throughput = planner._throughput(batch, 120.0)
+    for width in range(1, 8):
+        candidates = -np.sort(-virtual[:, :, :width].reshape(len(virtual), -1), axis=1)
+        admitted = np.cumprod(candidates >= throughput * np.diff(target)[: candidates.shape[1]], axis=1)
+        assert expected[width] == pytest.approx(batch + (candidates * admitted).sum(axis=1).mean(), rel=1e-12)
+        assert seconds[width] == pytest.approx(target[admitted.sum(axis=1)].mean() + per_slot[width], rel=1e-12)
+    assert (expected[0], seconds[0]) == (batch, pytest.approx(target[0]))
 
 
 def test_early_stop_planner_drafts_short_blocks_when_the_walk_costs_per_slot():

@@ -37,7 +37,8 @@ from sglang_dspark.engine import verify_attention
 from sglang_dspark.engine.planning import StepDecision, VerifyPlanner
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
 from sglang_dspark.engine.settings import load_settings
-from sglang_dspark.kernels_cpu.gemm_layout import gemm_layout_mode, relayout_linears
+from sglang_dspark.kernels_cpu.gemm_layout import add_linear_panels, gemm_layout_mode, relayout_linears
+from sglang_dspark.kernels_cpu.panel_gemm import PanelKernelUnavailable
 from sglang_dspark.model import DraftContextCache, TargetWeights, load_drafter
 from sglang_dspark.runtime import cpu_has_native_bf16
 
@@ -131,6 +132,11 @@ class DSparkLiveWorker(BaseSpecWorker):
         drafter = drafter.to(device=self.device, dtype=self._draft_dtype()).eval()
         if torch.device(self.device).type == "cpu" and gemm_layout_mode() == "auto":
             relayout_linears(drafter)
+            try:
+                logger.info("DSPARK_LIVE: %d drafter linears multiply small inputs through weight panels",
+                            add_linear_panels(drafter))
+            except PanelKernelUnavailable as error:
+                logger.warning("DSPARK_LIVE: the drafter's linears use the BLAS (no weight panels): %s", error)
         return drafter
 
     def _draft_dtype(self) -> torch.dtype:

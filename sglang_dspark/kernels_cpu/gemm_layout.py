@@ -11,7 +11,8 @@ row-major `[out, in]`. Two changes, applied after the model loads (`after_load_m
    lm_head) keeps a copy of its weight in 32-column panels, used for inputs of
    `DSPARK_CPU_PANEL_ROWS` rows (default 2-32 for float32, every row count for bfloat16, where the
    panels won: see `panel_gemm`'s table; a bf16 verify of 8 rows costs what one row costs instead
-   of 3x).
+   of 3x). The drafter's linears get panels too, where they are the faster path on this CPU
+   (`add_linear_panels`, `fastest_panel_rows`).
    Twice the linear weights in memory, skipped when that would take over a quarter of the
    available memory, and when the kernel cannot run here (no AVX-512F or no compiler: logged,
    the BLAS layouts alone then serve).
@@ -33,26 +34,48 @@ import torch
 
 from sglang_dspark.kernels_cpu.panel_gemm import (SUPPORTED_DTYPES, PanelKernelUnavailable, load_kernel, pack_panels,
                                                 panel_linear)
+from sglang_dspark.runtime import cpu_flags
 
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "column", "off")
 # Where the panels beat MKL on this project's CPU (see panel_gemm's table): float32 from 2 to 32
 # rows; bfloat16 at every row count measured (1-512: 1.1-3.8x, MKL converts bf16 weights first).
+# The target keeps them at every bf16 row count even where oneDNN multiplies on AMX tiles and
+# wins from 16 rows: the panels' rows do not depend on the rows beside them, and oneDNN's do (a
+# row's bf16 result changes with the batch), so only the panels keep a verify window, or a
+# prefill batched differently, bit for bit equal to plain serving.
 DEFAULT_PANEL_ROWS = {torch.float32: "2-32", torch.bfloat16: "1-"}
+# The drafter need not match anything bit for bit, so it takes the panels only where they are
+# faster: with AMX, below 16 bf16 rows (SmolLM2's linears per forward, `dspark-ctl bench gemm`:
+# 8 rows 22.2 ms panels / 32.1 BLAS, 16 rows 35.6 / 34.1, 128 rows 167.4 / 65.9).
+AMX_FASTEST_PANEL_ROWS = {torch.bfloat16: range(1, 16)}
 LINEAR_METHOD = "UnquantizedLinearMethod"
+
+
+def fastest_panel_rows(dtype: torch.dtype, flags: set[str] | None = None) -> range:
+    """The row counts where the panels beat the BLAS for `dtype` on a CPU with these feature
+    flags (default: this machine's): the drafter's range."""
+    flags = cpu_flags() if flags is None else flags
+    if "amx_bf16" in flags and dtype in AMX_FASTEST_PANEL_ROWS:
+        return AMX_FASTEST_PANEL_ROWS[dtype]
+    return _parse_rows(DEFAULT_PANEL_ROWS.get(dtype, ""), "default")
 
 
 def panel_rows_setting(dtype: torch.dtype) -> range:
     """`DSPARK_CPU_PANEL_ROWS` ("LO-HI", "LO-" for no upper bound, or "" for none): the input row
-    counts the panels serve."""
-    raw = os.environ.get("DSPARK_CPU_PANEL_ROWS", DEFAULT_PANEL_ROWS.get(dtype, "")).strip()
+    counts the panels serve in the target."""
+    return _parse_rows(os.environ.get("DSPARK_CPU_PANEL_ROWS", DEFAULT_PANEL_ROWS.get(dtype, "")), "DSPARK_CPU_PANEL_ROWS")
+
+
+def _parse_rows(raw: str, name: str) -> range:
+    raw = raw.strip()
     if not raw:
         return range(0)
     low, dash, high = (part.strip() for part in raw.partition("-"))
     high = high or (str(sys.maxsize) if dash else "")
     if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
-        raise ValueError(f"DSPARK_CPU_PANEL_ROWS={raw!r}: expected a row range LO-HI (or LO- for no upper bound) "
+        raise ValueError(f"{name}={raw!r}: expected a row range LO-HI (or LO- for no upper bound) "
                          "with 1 <= LO <= HI, e.g. 2-32")
     return range(int(low), int(high) + 1)
 
@@ -177,6 +200,43 @@ def relayout_linears(module: torch.nn.Module) -> int:
             linear.weight.data = linear.weight.data.t().contiguous().t()
             count += 1
     return count
+
+
+class PanelLinear(torch.nn.Linear):
+    """An `nn.Linear` (the drafter's) that multiplies inputs of `rows` rows through panels of its
+    weight: the drafter runs right after the target's forward has pushed its weights out of the
+    caches, and a 2-row catch-up or a 7-row block at batch 1 then costs 2-3x less this way."""
+
+    def __init__(self, linear: torch.nn.Linear, panels: torch.Tensor, rows: range) -> None:
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # shared: same parameters, same state_dict
+        self.register_parameter("bias", linear.bias)
+        self.panels, self.rows = panels, rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() // x.shape[-1] in self.rows and x.dtype in SUPPORTED_DTYPES:
+            out = panel_linear(x, self.panels, self.out_features)
+            return out if self.bias is None else out + self.bias
+        return super().forward(x)
+
+
+def add_linear_panels(module: torch.nn.Module, rows: range | None = None) -> int:
+    """Replace each plain float32/bfloat16 CPU `nn.Linear` of `module` by a `PanelLinear` serving
+    inputs of `rows` rows (default: `fastest_panel_rows` for the weights' dtype); returns how many.
+    Raises `PanelKernelUnavailable` when the kernel cannot run here."""
+    replaced = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or not _cpu_matrix(child.weight, SUPPORTED_DTYPES):
+                continue
+            child_rows = fastest_panel_rows(child.weight.dtype) if rows is None else rows
+            if not child_rows:
+                continue
+            load_kernel()
+            setattr(parent, name, PanelLinear(child, pack_panels(child.weight), child_rows))
+            replaced += 1
+    return replaced
 
 
 def after_load_model(result, model_runner, *args, **kwargs):

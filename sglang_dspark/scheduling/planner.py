@@ -665,16 +665,18 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         tokens = batch + np.arange(batch * self.gamma + 1, dtype=np.float64)
         target = _target_seconds(self.cost_model, batch, tokens, context_tokens) + self.fixed_seconds
         marginal = np.diff(target)
-        expected = np.empty(self.gamma + 1)
-        seconds = np.empty(self.gamma + 1)
-        expected[0], seconds[0] = batch, target[0]
-        for width in range(1, self.gamma + 1):
-            candidates = -np.sort(-virtual[:, :, :width].reshape(len(virtual), -1), axis=1)
-            pays = candidates >= throughput * marginal[: candidates.shape[1]]
-            admitted = np.cumprod(pays, axis=1)
-            expected[width] = batch + (candidates * admitted).sum(axis=1).mean()
-            seconds[width] = target[admitted.sum(axis=1)].mean() + costs[width]
-        return expected, seconds
+        # every width at once (this runs on every decode step): width w's candidates are each
+        # virtual batch's survivals at slots < w, best first; the slots beyond w sort last as -1
+        # and never pay
+        widths = np.arange(1, self.gamma + 1)
+        in_width = np.arange(self.gamma) < widths[:, None]  # [W, gamma]
+        candidates = np.where(in_width[:, None, None, :], virtual[None], -1.0).reshape(self.gamma, len(virtual), -1)
+        candidates = -np.sort(-candidates, axis=2)
+        real = np.arange(candidates.shape[2]) < batch * widths[:, None, None]
+        admitted = np.cumprod((candidates >= throughput * marginal) & real, axis=2)
+        expected = np.concatenate(([batch], batch + (candidates * admitted).sum(axis=2).mean(axis=1)))
+        seconds = np.concatenate(([target[0]], target[admitted.sum(axis=2)].mean(axis=1) + costs[1:]))
+        return expected.astype(np.float64), seconds.astype(np.float64)
 
     def _choose_width(self, batch: int, value: np.ndarray) -> int:
         """The best width by value (ties to the wider block), then the measured check and the
