@@ -261,8 +261,24 @@ def test_early_stop_planner_drafts_for_confident_traffic_and_skips_hopeless_traf
 
     hopeless = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=5)
     hopeless.publish(ids, torch.full((8, 7), 0.05).cumprod(dim=1))
-    widths = [hopeless.decide(ids, draft_seconds=0.01).draft_width for _ in range(10)]
-    assert widths.count(0) == 8 and widths[4] > 0 and widths[9] > 0, "skips, with a probe now and then"
+    widths = [hopeless.decide(ids, draft_seconds=0.01).draft_width for _ in range(200)]
+    probes = [step for step, width in enumerate(widths) if width]
+    # skips, with a probe now and then: after 5 skipped steps, then each wait twice the last, up to 8x
+    assert probes == [4, 14, 34, 74, 114, 154, 194], probes
+
+
+def test_a_step_that_wants_to_draft_brings_the_probes_back_to_their_first_pace():
+    ids = list(range(8))
+    planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=5)
+    planner.publish(ids, torch.full((8, 7), 0.05).cumprod(dim=1))
+    for _ in range(75):  # three probes: the next one 40 skipped steps away
+        planner.decide(ids, draft_seconds=0.01)
+    planner.publish(ids, torch.full((8, 7), 0.95).cumprod(dim=1))
+    assert planner.decide(ids, draft_seconds=0.01).draft_width > 0, "confident traffic drafts"
+    for _ in range(16):  # the survival pool forgets the confident step
+        planner.publish(ids, torch.full((8, 7), 0.05).cumprod(dim=1))
+    widths = [planner.decide(ids, draft_seconds=0.01).draft_width for _ in range(6)]
+    assert [w > 0 for w in widths] == [False] * 4 + [True, False], widths
 
 
 @pytest.mark.parametrize("batch", [1, 3, 16])
@@ -306,10 +322,10 @@ def test_a_probe_step_verifies_the_most_confident_first_draft_and_normal_steps_d
     hopeless.publish(ids, torch.full((4, 7), 0.05).cumprod(dim=1))
     survivals = torch.tensor([0.02, 0.04, 0.03, 0.01])[:, None].expand(4, 7).cumprod(dim=1)
     lens = []
-    for _ in range(6):
+    for _ in range(9):
         width = hopeless.decide(ids, draft_seconds=0.01).draft_width
         lens.append(hopeless.verify_lens(survivals, width).tolist() if width else None)
-    assert lens == [None, None, [0, 1, 0, 0], None, None, [0, 1, 0, 0]]
+    assert lens == [None, None, [0, 1, 0, 0]] + [None] * 5 + [[0, 1, 0, 0]]
     # a chosen draft width is no probe: early stop alone decides
     confident = EarlyStopPlanner(affine(0.05, 0.01), gamma=7, explore_every=3)
     assert confident.decide(ids).draft_width == 7

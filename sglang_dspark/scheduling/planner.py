@@ -607,14 +607,18 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
     So `decide` values each draft width by applying the early-stop rule to virtual batches drawn
     from the recent steps' survival rows (any request: a pool, not a per-request lag), charges
     the drafter's measured cost for that width, and keeps the best (width 0: skip the drafter,
-    with a probe every `explore_every` steps). Then `verify_lens` applies the rule for real.
+    with a probe after `explore_every` skipped steps, which refreshes the survivals; each probe
+    that leaves the planner skipping doubles the wait for the next, up to `explore_every *
+    MAX_PROBE_BACKOFF`, until a step wants to draft again: at concurrency 16 a probe, with the
+    context catch-up of every step skipped before it, cost ~50-100 ms more than a skipped step
+    of ~75 ms, and probes every 16 steps took ~4 % of the throughput). Then `verify_lens`
+    applies the rule for real.
     `capacity` in its decisions is the most the width allows (the early stop admits fewer).
 
     What the model values is checked against what the steps measured (`record_step`,
     `StepRates`): where drafted steps around this batch size delivered fewer tokens/s than
-    skipped ones (by more than `StepRates.margin`), the step skips whatever the model says (`vetoed`), and the probes that keep
-    the drafted side measured back off to every `explore_every * MAX_PROBE_BACKOFF` steps while
-    drafting keeps losing. Where skipped steps have not been measured lately, one drafted step
+    skipped ones (by more than `StepRates.margin`), the step skips whatever the model says
+    (`vetoed`); the same backed-off probes keep the drafted side measured. Where skipped steps have not been measured lately, one drafted step
     in `explore_every * MAX_PROBE_BACKOFF` skips instead (every `explore_every` until
     `StepRates.min_samples` are known), so the comparison exists wherever the model drafts."""
 
@@ -687,14 +691,14 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         self._probing = not wants_draft and self._skips + 1 >= self._probe_every
         if self._probing:  # draft anyway, at the best width the model sees
             width = self.gamma - int(np.argmax(value[:0:-1]))
-            if drafting_loses:
-                self._probe_every = min(2 * self._probe_every, self.explore_every * MAX_PROBE_BACKOFF)
+            # the next probe waits twice as long, unless a step wants to draft before it
+            self._probe_every = min(2 * self._probe_every, self.explore_every * MAX_PROBE_BACKOFF)
         elif wants_draft and self._skip_sample_due(batch):
             width = 0
         else:
             width = best if wants_draft else 0
             self.vetoed = best > 0 and drafting_loses
-        if not drafting_loses:
+        if wants_draft:
             self._probe_every = self.explore_every
         self._skips = 0 if width > 0 else self._skips + 1
         self._drafts_in_a_row = self._drafts_in_a_row + 1 if width > 0 else 0
