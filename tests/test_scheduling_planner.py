@@ -333,10 +333,10 @@ def test_a_probe_step_verifies_the_most_confident_first_draft_and_normal_steps_d
 
 
 def _replay(planner: EarlyStopPlanner, steps: int, drafted_step: tuple[float, float],
-            skipped_step: tuple[float, float]) -> list[int]:
+            skipped_step: tuple[float, float], ids: list | None = None) -> list[int]:
     """Drive the planner with confident survivals; each step 'measures' (tokens, seconds) of its kind."""
-    ids = list(range(8))
-    survivals = torch.full((8, 7), 0.95).cumprod(dim=1)
+    ids = list(range(8)) if ids is None else ids
+    survivals = torch.full((len(ids), 7), 0.95).cumprod(dim=1)
     widths = []
     for _ in range(steps):
         width = planner.decide(ids, draft_seconds=0.005).draft_width
@@ -359,6 +359,30 @@ def test_where_drafted_steps_measurably_lose_the_planner_skips_whatever_its_mode
     late = widths[-400:]
     assert planner.vetoed or late[-1] > 0
     assert 1 <= sum(w > 0 for w in late) <= 400 // (16 * MAX_PROBE_BACKOFF) + 1, late
+
+
+def test_a_veto_measured_on_requests_that_have_all_left_is_forgotten():
+    """Acceptance belongs to the text being written: drafted steps that lost on some requests
+    say little about the next ones. Once none of them is left, drafting is measured afresh
+    (and vetoed again if it still loses); while any of them stays, the veto holds."""
+    from sglang_dspark.scheduling.planner import FORGET_MAX_BATCH
+
+    losing = {"drafted_step": (3.0, 0.2), "skipped_step": (2.0, 0.05)}
+    planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=16)
+    _replay(planner, 200, ids=[0, 1], **losing)
+    assert planner.vetoed
+    assert _replay(planner, 1, ids=[1, 2], **losing) == [0], "request 1 stayed: still vetoed"
+    fresh = _replay(planner, 40, ids=[100, 101], **losing)
+    assert fresh[0] > 0, "new requests: drafting is measured again"
+    assert planner.vetoed and sum(w > 0 for w in fresh) <= 8, fresh
+
+    # in a large batch what drafting delivers is a property of the load: the veto holds
+    large = list(range(FORGET_MAX_BATCH + 12))
+    losing = {"drafted_step": (20.0, 0.2), "skipped_step": (16.0, 0.05)}
+    planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=16)
+    _replay(planner, 200, ids=large, **losing)
+    assert planner.vetoed
+    assert _replay(planner, 5, ids=[i + 1000 for i in large], **losing) == [0] * 5
 
 
 def test_where_drafting_measurably_wins_only_a_rare_step_skips_to_keep_the_comparison_fresh():

@@ -72,6 +72,14 @@ class StepRates:
             samples += int(stats[kind, 2])
         return (tokens / seconds if seconds > 0 else None), samples
 
+    def forget(self, batch_size: int, drafted: bool) -> None:
+        """Drop what steps of this kind measured around `batch_size` (the sizes `rate` pools)."""
+        kind = DRAFT if drafted else SKIP
+        reach = batch_size // self.spread
+        for size in range(max(1, batch_size - reach), batch_size + reach + 1):
+            if size in self._stats:
+                self._stats[size][kind] = 0.0
+
     def known(self, batch_size: int, drafted: bool) -> bool:
         """At least `min_samples` steps of this kind were measured around `batch_size`."""
         return self.rate(batch_size, drafted)[1] >= self.min_samples
