@@ -385,6 +385,15 @@ def test_a_veto_measured_on_requests_that_have_all_left_is_forgotten():
     assert _replay(planner, 5, ids=[i + 1000 for i in large], **losing) == [0] * 5
 
 
+def test_where_the_model_drafts_from_the_start_a_losing_draft_is_found_within_a_few_dozen_steps():
+    """The check needs skipped steps to compare with; where the model drafts every step they come
+    only from skip samples, so those come often until the skipped side is known."""
+    planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=16)
+    widths = _replay(planner, 60, drafted_step=(10.0, 0.2), skipped_step=(8.0, 0.05))
+    assert planner.vetoed, widths
+    assert widths.count(0) >= 12, "8 warm-up and 4 measured skipped steps"
+
+
 def test_where_drafting_measurably_wins_only_a_rare_step_skips_to_keep_the_comparison_fresh():
     from sglang_dspark.scheduling.planner import MAX_PROBE_BACKOFF
 
