@@ -116,9 +116,8 @@ def test_a_bad_gemm_layout_knob_is_refused(monkeypatch):
         gemm_layout_mode()
 
 
-def test_a_column_major_drafter_drafts_the_same_blocks():
-    """The worker re-lays out the drafter's linears on CPU: only strides change, not its blocks."""
-    from sglang_dspark.kernels_cpu.gemm_layout import relayout_linears
+def _tiny_drafter_and_block():
+    """A tiny 2-layer drafter and a function drafting one block from 10 tokens of its context."""
     from tests.tiny import make_tiny_drafter, make_tiny_target, tiny_taps
 
     target = make_tiny_target(seed=0)
@@ -131,6 +130,14 @@ def test_a_column_major_drafter_drafts_the_same_blocks():
         drafter.append_context(cache, [0], taps[:10], [10])
         return drafter.forward_block(cache, [0], ids[0, 10:11])
 
+    return drafter, block
+
+
+def test_a_column_major_drafter_drafts_the_same_blocks():
+    """The worker re-lays out the drafter's linears on CPU: only strides change, not its blocks."""
+    from sglang_dspark.kernels_cpu.gemm_layout import relayout_linears
+
+    drafter, block = _tiny_drafter_and_block()
     before = block()
     linears = [m for m in drafter.modules() if isinstance(m, torch.nn.Linear)]
     row_major = sum(1 for m in linears if not m.weight.t().is_contiguous())
@@ -144,18 +151,8 @@ def test_a_drafter_with_panel_linears_drafts_the_same_blocks_and_keeps_its_param
     state_dict, blocks equal up to summation order, and inputs outside the row range still take
     the BLAS."""
     from sglang_dspark.kernels_cpu.gemm_layout import PanelLinear, add_linear_panels
-    from tests.tiny import make_tiny_drafter, make_tiny_target, tiny_taps
 
-    target = make_tiny_target(seed=0)
-    drafter = make_tiny_drafter(target, num_layers=2, gamma=4)
-    ids = torch.randint(3, 400, (1, 12), generator=torch.Generator().manual_seed(0))
-    taps = tiny_taps(target, ids)[0]
-
-    def block() -> torch.Tensor:
-        cache = drafter.new_cache(num_slots=1, capacity=16)
-        drafter.append_context(cache, [0], taps[:10], [10])
-        return drafter.forward_block(cache, [0], ids[0, 10:11])
-
+    drafter, block = _tiny_drafter_and_block()
     before, keys = block(), set(drafter.state_dict())
     linears = [m for m in drafter.modules() if type(m) is torch.nn.Linear]
     assert add_linear_panels(drafter, rows=range(1, 11)) == len(linears) > 0
