@@ -212,9 +212,25 @@ def test_draft_cost_tracker_learns_a_line_over_batch_size():
     tracker = DraftCostTracker()
     assert tracker.estimate(8) == 0.0, "optimistic before any measurement, so the planner drafts"
     tracker.add(4, 0.010)
-    assert tracker.estimate(16) == pytest.approx(0.010)
+    assert tracker.estimate(2) == pytest.approx(0.010), "flat below the smallest measured size"
     tracker.add(8, 0.018)
-    assert tracker.estimate(16) == pytest.approx(0.034)
+    assert tracker.estimate(6) == pytest.approx(0.014)
+    tracker.add(16, 0.034)
+    assert tracker.estimate(12) == pytest.approx(0.026)
+
+
+def test_draft_cost_tracker_grows_in_proportion_beyond_the_largest_measured_batch():
+    """Measured at batch 1 only (10 ms), a flat estimate charged a first batch of 16 the same 10
+    ms where it cost 50, and the planner drafted ~20 steps at 1.8x a skipped step's time."""
+    from sglang_dspark.engine.planning import DraftCostTracker
+
+    tracker = DraftCostTracker()
+    tracker.add(1, 0.010)
+    assert tracker.estimate(16) == pytest.approx(0.160)
+    tracker.add(4, 0.016)  # line: 0.008 + 0.002 * size
+    assert tracker.estimate(16) == pytest.approx(0.064), "the line's value at 4, times 16 / 4"
+    tracker.add(16, 0.040)
+    assert tracker.estimate(16) < 0.064, "a measurement there replaces the extrapolation"
 
 
 def test_a_first_slow_walk_does_not_make_drafting_look_dear():

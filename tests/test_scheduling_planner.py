@@ -281,6 +281,36 @@ def test_a_step_that_wants_to_draft_brings_the_probes_back_to_their_first_pace()
     assert [w > 0 for w in widths] == [False] * 4 + [True, False], widths
 
 
+def _settle(planner: EarlyStopPlanner, ids: list, draft_seconds: float, steps: int = 40) -> None:
+    """Steps at one batch size with confident drafts (each 0.7 likely to survive the last)."""
+    for _ in range(steps):
+        planner.publish(ids, torch.full((len(ids), 7), 0.7).cumprod(dim=1))
+        planner.decide(ids, draft_seconds=draft_seconds)
+
+
+def test_a_batch_that_grows_drafts_only_where_it_beats_skipping_at_its_own_size():
+    """After a warm-up at batch 1 (drafting ~45 tokens/s there), the first steps of a batch of 16
+    valued a second at batch 1's rate, a 1/5 of what skipping delivers at 16, and drafted at
+    1.8x a skipped step's time for 1.4x its tokens."""
+    planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7)
+    _settle(planner, ["solo"], draft_seconds=0.01)
+    assert planner.decide(["solo"], draft_seconds=0.01).draft_width > 0, "drafting pays at batch 1"
+    batch = list(range(16))
+    skipped_rate = 16 / (0.05 + 0.016)
+    decision = planner.decide(batch, draft_seconds=0.06)
+    assert decision.draft_width == 0 or decision.expected_tokens / decision.step_seconds > skipped_rate
+    assert decision.draft_width == 0, "a 60 ms drafter does not pay at batch 16 with these drafts"
+
+
+def test_a_batch_that_shrinks_drafts_at_once_where_drafting_pays():
+    """A wave's last request: the recent rate of batch 16 (~240 tokens/s) exceeds anything one
+    request can deliver, so every width looked a loss and the cheapest, skipping, won."""
+    planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7)
+    _settle(planner, list(range(16)), draft_seconds=0.06)
+    assert planner.decide(list(range(16)), draft_seconds=0.06).draft_width == 0
+    assert planner.decide(["last"], draft_seconds=0.01).draft_width > 0
+
+
 @pytest.mark.parametrize("batch", [1, 3, 16])
 def test_the_width_values_equal_a_per_width_evaluation(batch):
     """The planner values every width in one pass (it runs on every decode step); each width's

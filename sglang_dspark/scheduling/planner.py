@@ -649,14 +649,18 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         self.vetoed = False  # the last decision skipped because drafting measurably lost
         self._veto_requests: frozenset | None = None  # the batch when drafting began to lose
         self._drafting_lost = False
+        self._step_throughput: float | None = None  # lambda of the last `decide`, for `verify_lens`
 
     def _throughput(self, batch: int, context_tokens: float) -> float:
-        """lambda: the recent decisions' tokens/s, or plain decoding's before there are any."""
-        recent = self.long_run_throughput()
-        if recent is not None:
-            return recent
+        """lambda: the recent decisions' tokens/s, and never less than a skipped step delivers at
+        this batch size. The recent decisions may come from another batch size: after a warm-up
+        at batch 1 (~25 tokens/s) the first steps of a batch of 16 (~200 tokens/s when skipping)
+        valued a second at 1/8 of its worth there, and drafted 20 steps at 1.8x a skipped step's
+        time for 1.4x its tokens."""
         one_token = _target_seconds(self.cost_model, batch, np.array([float(batch)]), context_tokens)[0]
-        return batch / (one_token + self.fixed_seconds)
+        skipping = batch / (one_token + self.fixed_seconds)
+        recent = self.long_run_throughput()
+        return skipping if recent is None else max(recent, skipping)
 
     def record_step(self, batch_size: int, drafted: bool, committed_tokens: float, seconds: float) -> None:
         """A finished step as measured (drafting included), for the draft-or-skip check."""
@@ -669,7 +673,11 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         if not self._history:  # nothing known: draft the whole block and learn
             return CapacityDecision(batch * self.gamma, self.gamma, float("nan"), float("nan"))
         expected, seconds = self._width_values(batch, context_tokens, draft_seconds)
-        value = expected - self._throughput(batch, context_tokens) * seconds
+        # lambda from larger batches can exceed what any width delivers here (a wave's last
+        # requests): then every value is negative and the cheapest width, skipping, wins
+        # whatever drafting would deliver, so cap lambda at this step's best tokens/s
+        self._step_throughput = min(self._throughput(batch, context_tokens), float((expected / seconds).max()))
+        value = expected - self._step_throughput * seconds
         requests = frozenset(request_ids)
         if self._veto_requests is not None and batch <= FORGET_MAX_BATCH and not requests & self._veto_requests:
             self.rates.forget(batch, drafted=True)  # the veto was measured on requests now gone
@@ -742,7 +750,8 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
     def verify_lens(self, survivals: torch.Tensor, max_lens: torch.Tensor | int,
                     context_tokens: float = 0.0) -> torch.Tensor:
         """This step's verify lengths (`early_stop_lens` within the drafted width, `max_lens`)."""
-        throughput = self._throughput(survivals.shape[0], context_tokens)
+        throughput = self._step_throughput or self._throughput(survivals.shape[0], context_tokens)
+        self._step_throughput = None
         lens = early_stop_lens(survivals, self.cost_model, throughput, context_tokens=context_tokens,
                                max_lens=max_lens)
         if self._probing and int(lens.sum()) == 0:
