@@ -127,16 +127,23 @@ def arm_launch(arm: str, target: str, drafter_path: str | None, port: int, devic
 
 
 def bench_arms(launches: dict[str, ServerLaunch], prompts: list[str], concurrency: list[int], repeats: int,
-               max_new_tokens: int, log_dir: Path, min_requests: int = 1, ignore_eos: bool = True) -> dict:
+               max_new_tokens: int, log_dir: Path, min_requests: int = 1, ignore_eos: bool = True,
+               warmup_waves: int = 0) -> dict:
     """All arms' servers up at once; for each concurrency and repeat, one wave per arm in turn.
 
     Interleaving the arms' waves puts them minutes apart instead of a whole arm apart, so slow
-    drifts of a shared machine's speed fall on every arm alike (an idle server sleeps)."""
+    drifts of a shared machine's speed fall on every arm alike (an idle server sleeps).
+    `warmup_waves` unmeasured waves per arm come first at each concurrency: a fresh DSPARK_LIVE
+    server learns what drafting costs at a new batch size from its first steps there, and a
+    measured first wave would weigh that one-off lesson as if every wave paid it."""
     with running(launches, log_dir):
         for launch in launches.values():
             run_wave(launch.url, prompts[:1], 8)
         cells: dict[str, dict] = {arm: {} for arm in launches}
         for c in concurrency:
+            for _ in range(warmup_waves):
+                for launch in launches.values():
+                    run_wave(launch.url, prompts[:c], max_new_tokens, ignore_eos)
             seen = {arm: _line_count(_step_log(launch)) for arm, launch in launches.items()}
             waves: dict[str, list[dict]] = {arm: [] for arm in launches}
             for r in range(waves_per_cell(c, repeats, min_requests)):
@@ -245,6 +252,8 @@ def bench_serve_command(
     drafter: str = typer.Option(None, "--drafter", help="Drafter folder (default: the shipped one)."),
     concurrency: str = typer.Option("1,4,16", help="Comma-separated concurrency levels."),
     repeats: int = typer.Option(3, min=1, help="Waves per cell (the median is reported)."),
+    warmup_waves: int = typer.Option(1, min=0, help="Unmeasured waves per arm before each concurrency's "
+                                                    "measured ones (a fresh server's planner learns there)."),
     min_requests: int = typer.Option(12, min=1, help="More waves where a cell would hold fewer requests than this."),
     max_new_tokens: int = typer.Option(128, min=1, help="Output tokens per request."),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--stop-at-eos",
@@ -285,6 +294,7 @@ def bench_serve_command(
     log_dir = Path(tempfile.mkdtemp(prefix="dspark-bench-serve-"))
     report = {"config": {"model_path": target, "drafter": drafter_path, "dtype": dtype, "device": device,
                          "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "repeats": repeats, "min_requests": min_requests,
+                         "warmup_waves": warmup_waves,
                          "prompts": len(texts),
                          "logs": str(log_dir), "arms": {arm: ARMS[arm_base(arm)] for arm in wanted},
                          "arm_env": {arm: env for arm, env in envs.items() if env}}, "arms": {}}
@@ -292,7 +302,7 @@ def bench_serve_command(
         launches = {arm: arm_launch(arm, target, drafter_path, port + i, device, dtype, log_dir, envs[arm])
                     for i, arm in enumerate(wanted)}
         report["arms"] = bench_arms(launches, texts, levels, repeats, max_new_tokens, log_dir, min_requests,
-                                    ignore_eos)
+                                    ignore_eos, warmup_waves)
     report.update(speedups(report["arms"]))
     failed = False
     if verify_cost_contexts:

@@ -154,3 +154,28 @@ def test_waves_stop_at_the_end_of_turn_only_when_asked(monkeypatch, ignore_eos):
     wave = run_wave("http://server", ["a", "b"], 16, ignore_eos=ignore_eos)
     assert [p["ignore_eos"] for p in sent] == [ignore_eos] * 2 and sent[0]["max_new_tokens"] == 16
     assert wave["tau"] == pytest.approx(2.0)
+
+
+def test_warmup_waves_run_at_each_concurrency_before_the_measured_ones_and_stay_out_of_them(tmp_path, monkeypatch):
+    """A fresh DSPARK_LIVE server learns what drafting costs at a new batch size in its first steps
+    there; the warm-up wave takes that lesson at the cell's own concurrency, unmeasured."""
+    import contextlib
+
+    from dspark_ctl import bench_serve
+    from dspark_ctl.serve import ServerLaunch
+
+    sent = []
+
+    def fake_wave(url, texts, max_new_tokens, ignore_eos=True):
+        sent.append((url, len(texts), max_new_tokens))
+        return {"aggregate_tok_s": 1000.0 if len(sent) <= 6 else float(len(sent)), "per_user_tok_s": 1.0}
+
+    monkeypatch.setattr(bench_serve, "run_wave", fake_wave)
+    monkeypatch.setattr(bench_serve, "running", lambda launches, log_dir: contextlib.nullcontext())
+    launches = {arm: ServerLaunch(model_path="t", port=port) for arm, port in (("plain", 1), ("dspark", 2))}
+    cells = bench_serve.bench_arms(launches, [f"p{i}" for i in range(8)], [4], repeats=2, max_new_tokens=16,
+                                   log_dir=tmp_path, min_requests=1, warmup_waves=2)
+    urls = [launch.url for launch in launches.values()]
+    assert sent[:2] == [(url, 1, 8) for url in urls], "the server warm-up: one short request each"
+    assert sent[2:6] == [(url, 4, 16) for url in urls] * 2, "two warm-up waves at concurrency 4, arms in turn"
+    assert len(sent) == 10 and cells["plain"]["4"]["waves_tok_s"] == [7.0, 9.0]
