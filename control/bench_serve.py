@@ -114,16 +114,17 @@ def parse_arm_env(pairs: list[str], arms: list[str]) -> dict[str, dict[str, str]
 
 
 def arm_launch(arm: str, target: str, drafter_path: str | None, port: int, device: str, dtype: str,
-               log_dir: Path, extra_env: dict[str, str] | None = None) -> ServerLaunch:
+               log_dir: Path, extra_env: dict[str, str] | None = None, overlap: bool = True) -> ServerLaunch:
     """The server of one arm; the DSPARK_LIVE arms log every step to `<log_dir>/<arm>-steps.jsonl`."""
     if arm_base(arm) == "plain":
-        return ServerLaunch(model_path=target, port=port, device=device, dtype=dtype, extra_env=dict(extra_env or {}))
+        return ServerLaunch(model_path=target, port=port, device=device, dtype=dtype, overlap=overlap,
+                            extra_env=dict(extra_env or {}))
     env = {"DSPARK_STEP_LOG": str(log_dir / f"{arm}-steps.jsonl")}
     if arm_base(arm) == "nodraft":
         env["DSPARK_PLANNER"] = "fixed:0"
     env.update(extra_env or {})
     return ServerLaunch(model_path=target, port=port, device=device, dtype=dtype, drafter_path=drafter_path,
-                        extra_env=env)
+                        overlap=overlap, extra_env=env)
 
 
 def bench_arms(launches: dict[str, ServerLaunch], prompts: list[str], concurrency: list[int], repeats: int,
@@ -264,6 +265,9 @@ def bench_serve_command(
     prompts_per_domain: int = typer.Option(6, min=1, help="Eval prompts taken from each domain."),
     dtype: str = typer.Option("bfloat16", help="Same dtype for both arms."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
+    overlap: bool = typer.Option(True, "--overlap/--no-overlap",
+                                 help="SGLang's overlap scheduler in every arm's server (--no-overlap passes "
+                                      "--disable-overlap-schedule to all of them)."),
     port: int = typer.Option(30100, help="Port of the server under test."),
     arms: str = typer.Option("plain,nodraft,dspark",
                              help="Arms to run side by side (plain, nodraft, dspark, or a variant such as "
@@ -292,14 +296,14 @@ def bench_serve_command(
         by_domain = eval_prompts(prompts_per_domain)
         texts = chat_texts(target, [p for group in zip(*by_domain.values()) for p in group])
     log_dir = Path(tempfile.mkdtemp(prefix="dspark-bench-serve-"))
-    report = {"config": {"model_path": target, "drafter": drafter_path, "dtype": dtype, "device": device,
+    report = {"config": {"model_path": target, "drafter": drafter_path, "dtype": dtype, "device": device, "overlap": overlap,
                          "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "repeats": repeats, "min_requests": min_requests,
                          "warmup_waves": warmup_waves,
                          "prompts": len(texts),
                          "logs": str(log_dir), "arms": {arm: ARMS[arm_base(arm)] for arm in wanted},
                          "arm_env": {arm: env for arm, env in envs.items() if env}}, "arms": {}}
     if wanted:
-        launches = {arm: arm_launch(arm, target, drafter_path, port + i, device, dtype, log_dir, envs[arm])
+        launches = {arm: arm_launch(arm, target, drafter_path, port + i, device, dtype, log_dir, envs[arm], overlap)
                     for i, arm in enumerate(wanted)}
         report["arms"] = bench_arms(launches, texts, levels, repeats, max_new_tokens, log_dir, min_requests,
                                     ignore_eos, warmup_waves)
@@ -370,6 +374,9 @@ def sps_serve_command(
     long_tokens: int = typer.Option(1200, min=16, help="Context of the long prompts."),
     dtype: str = typer.Option("bfloat16", help="The dtype the server will serve in."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
+    overlap: bool = typer.Option(True, "--overlap/--no-overlap",
+                                 help="SGLang's overlap scheduler in every arm's server (--no-overlap passes "
+                                      "--disable-overlap-schedule to all of them)."),
     port: int = typer.Option(30100, help="Port of the profiled server."),
     from_log: Path = typer.Option(None, "--from-log", help="Fit from this DSPARK_STEP_LOG file instead of running a sweep."),
     plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of the measured and fitted SPS curves."),

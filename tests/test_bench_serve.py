@@ -99,6 +99,15 @@ def test_the_nodraft_arm_is_the_worker_without_drafts(tmp_path):
     plain = arm_launch("plain", "/t", "/d", 30100, "cpu", "float32", tmp_path)
     assert nodraft.extra_env["DSPARK_PLANNER"] == "fixed:0" and "DSPARK_LIVE" in nodraft.command()
     assert "DSPARK_LIVE" not in plain.command() and not plain.extra_env
+    assert "--disable-overlap-schedule" not in plain.command() + nodraft.command()
+
+
+def test_no_overlap_turns_the_overlap_scheduler_off_in_every_arm(tmp_path):
+    from dspark_ctl.bench_serve import arm_launch
+
+    for arm in ("plain", "nodraft", "dspark"):
+        launch = arm_launch(arm, "/t", "/d", 30100, "cpu", "float32", tmp_path, overlap=False)
+        assert "--disable-overlap-schedule" in launch.command(), arm
 
 
 def test_bench_serve_refuses_an_unknown_arm():
