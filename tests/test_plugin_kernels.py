@@ -187,8 +187,24 @@ def test_the_drafter_takes_the_panels_where_they_are_faster_on_this_cpu():
     from sglang_dspark.kernels_cpu.gemm_layout import fastest_panel_rows
 
     assert fastest_panel_rows(torch.bfloat16, {"avx512f", "avx512_bf16"})[-1] > 10**6
-    assert fastest_panel_rows(torch.bfloat16, {"avx512f", "amx_bf16"}) == range(1, 16), "AMX wins from 16 rows"
-    assert fastest_panel_rows(torch.float32, {"avx512f", "amx_bf16"}) == range(2, 33), "AMX does not multiply float32"
+    assert fastest_panel_rows(torch.bfloat16, {"avx512f", "amx_bf16"}, tiles=False) == range(1, 16), \
+        "oneDNN on the tiles beats panels without them from 16 rows"
+    assert fastest_panel_rows(torch.bfloat16, {"avx512f", "amx_bf16"}, tiles=True)[-1] > 10**6, "panels on the tiles win"
+    assert fastest_panel_rows(torch.float32, {"avx512f", "amx_bf16"}, tiles=True) == range(2, 33), \
+        "AMX does not multiply float32"
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def panel_layout(request, monkeypatch):
+    """Each bfloat16 panel layout this CPU can run: AVX-512 registers, or the AMX tiles."""
+    from sglang_dspark.kernels_cpu import panel_gemm
+
+    monkeypatch.setenv("DSPARK_CPU_AMX", "auto" if request.param == "amx" else "off")
+    panel_gemm.amx_panels.cache_clear()
+    if request.param == "amx" and not panel_gemm.amx_panels():
+        pytest.skip("no AMX tiles on this CPU")
+    yield request.param
+    panel_gemm.amx_panels.cache_clear()
 
 
 def test_the_panel_row_range_comes_from_the_knob_with_a_default_per_dtype(monkeypatch):
@@ -210,17 +226,24 @@ def test_the_panel_row_range_comes_from_the_knob_with_a_default_per_dtype(monkey
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_panels_multiply_like_the_blas_and_each_row_alone_gives_the_same_bits(dtype):
+def test_panels_multiply_like_the_blas_and_each_row_alone_gives_the_same_bits(dtype, panel_layout):
     """The kernel equals F.linear (up to summation order) for odd sizes and any row count, and a
     row's result does not depend on the rows beside it: a verify window's linears reproduce the
-    one-token decode's bit for bit."""
+    one-token decode's bit for bit. On the AMX tiles too (bf16 weights only), 16 rows a pass."""
     from sglang_dspark.kernels_cpu.panel_gemm import pack_panels, panel_linear
 
+    if dtype == torch.float32 and panel_layout == "amx":
+        pytest.skip("the tiles multiply bfloat16 only")
     torch.manual_seed(0)
-    weight = torch.randn(77, 45).to(dtype)  # neither dimension a multiple of the 32-column panel
+    # 77 outputs: not a multiple of the 32-column panel; inputs: 45, or for the tiles, which step
+    # over 32 inputs at a time, 64 (a bf16 weight of 45 inputs keeps the AVX-512 panels there)
+    in_features = 64 if panel_layout == "amx" else 45
+    weight = torch.randn(77, in_features).to(dtype)
     panels = pack_panels(weight)
-    assert panels.shape == (3, 45, 32) and panels.dtype == dtype
-    x = torch.randn(2, 9, 45).to(dtype)  # 18 rows: three passes of 8 over each panel
+    expected = (3, 32, 32, 2) if panel_layout == "amx" else (3, 45, 32)  # AMX: pairs of inputs per column
+    assert panels.shape == expected and panels.dtype == dtype
+    assert pack_panels(torch.randn(77, 45).to(dtype)).shape == (3, 45, 32)
+    x = torch.randn(2, 9, in_features).to(dtype)  # 18 rows: three passes of 8 (AVX-512) or two of 16 (AMX)
     out = panel_linear(x, panels, 77)
     assert out.shape == (2, 9, 77) and out.dtype == dtype
     reference = F.linear(x.float(), weight.float())
@@ -229,7 +252,10 @@ def test_panels_multiply_like_the_blas_and_each_row_alone_gives_the_same_bits(dt
     alone = torch.stack([torch.stack([panel_linear(x[i, j:j + 1], panels, 77)[0] for j in range(9)]) for i in range(2)])
     assert torch.equal(alone, out)
     with pytest.raises(ValueError, match="do not fit panels"):
-        panel_linear(torch.randn(3, 44).to(dtype), panels, 77)
+        panel_linear(torch.randn(3, in_features - 1).to(dtype), panels, 77)
+    if panel_layout == "amx":
+        with pytest.raises(ValueError, match="do not fit panels"):
+            panel_linear(x.float(), panels, 77)
 
 
 def test_bfloat16_panels_round_to_nearest_even_and_keep_nan():

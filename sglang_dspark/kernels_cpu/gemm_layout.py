@@ -32,33 +32,35 @@ import sys
 
 import torch
 
-from sglang_dspark.kernels_cpu.panel_gemm import (SUPPORTED_DTYPES, PanelKernelUnavailable, load_kernel, pack_panels,
-                                                panel_linear)
+from sglang_dspark.kernels_cpu.panel_gemm import (SUPPORTED_DTYPES, PanelKernelUnavailable, amx_panels, load_kernel,
+                                                pack_panels, panel_linear)
 from sglang_dspark.runtime import cpu_flags
 
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "column", "off")
 # Where the panels beat MKL on this project's CPU (see panel_gemm's table): float32 from 2 to 32
-# rows; bfloat16 at every row count measured (1-512: 1.1-3.8x, MKL converts bf16 weights first).
-# The target keeps them at every bf16 row count even where oneDNN multiplies on AMX tiles and
-# wins from 16 rows: the panels' rows do not depend on the rows beside them, and oneDNN's do (a
-# row's bf16 result changes with the batch), so only the panels keep a verify window, or a
-# prefill batched differently, bit for bit equal to plain serving.
+# rows; bfloat16 at every row count measured (1-512: 1.1-3.8x, MKL converts bf16 weights first;
+# with AMX, the panels on the tiles 1.1-1.9x over oneDNN on the tiles).
+# The target keeps them at every bf16 row count: the panels' rows do not depend on the rows beside
+# them, and oneDNN's do (a row's bf16 result changes with the batch), so only the panels keep a
+# verify window, or a prefill batched differently, bit for bit equal to plain serving.
 DEFAULT_PANEL_ROWS = {torch.float32: "2-32", torch.bfloat16: "1-"}
 # The drafter need not match anything bit for bit, so it takes the panels only where they are
-# faster: with AMX, below 16 bf16 rows (SmolLM2's linears per forward, `dspark-ctl bench gemm`:
-# 8 rows 22.2 ms panels / 32.1 BLAS, 16 rows 35.6 / 34.1, 128 rows 167.4 / 65.9).
-AMX_FASTEST_PANEL_ROWS = {torch.bfloat16: range(1, 16)}
+# faster. On an AMX CPU whose panels cannot use the tiles (`DSPARK_CPU_AMX=off`, or Linux refused
+# them), oneDNN on the tiles wins from 16 bf16 rows (SmolLM2's linears per forward, `dspark-ctl
+# bench gemm`: 8 rows 22.2 ms panels / 32.1 BLAS, 16 rows 35.6 / 34.1, 128 rows 167.4 / 65.9).
+AMX_WITHOUT_TILES_PANEL_ROWS = {torch.bfloat16: range(1, 16)}
 LINEAR_METHOD = "UnquantizedLinearMethod"
 
 
-def fastest_panel_rows(dtype: torch.dtype, flags: set[str] | None = None) -> range:
+def fastest_panel_rows(dtype: torch.dtype, flags: set[str] | None = None, tiles: bool | None = None) -> range:
     """The row counts where the panels beat the BLAS for `dtype` on a CPU with these feature
-    flags (default: this machine's): the drafter's range."""
+    flags (default: this machine's), the panels on the AMX tiles or not (default: `amx_panels()`):
+    the drafter's range."""
     flags = cpu_flags() if flags is None else flags
-    if "amx_bf16" in flags and dtype in AMX_FASTEST_PANEL_ROWS:
-        return AMX_FASTEST_PANEL_ROWS[dtype]
+    if "amx_bf16" in flags and dtype in AMX_WITHOUT_TILES_PANEL_ROWS and not (amx_panels() if tiles is None else tiles):
+        return AMX_WITHOUT_TILES_PANEL_ROWS[dtype]
     return _parse_rows(DEFAULT_PANEL_ROWS.get(dtype, ""), "default")
 
 

@@ -3,11 +3,22 @@
 // per call and reused from L2 for every 8 rows of x, so 1-16 rows cost about what one row costs.
 // Every output element sums over k in the same order whatever M is: a row's result does not
 // depend on the rows beside it (a verify window reproduces the one-token decode bit for bit).
+// On a CPU with AMX (built with -march=native there), bfloat16 weights whose K is a multiple of 32
+// are packed instead as [P][K/2][32][2] (pairs of consecutive k per column) and multiplied on the tiles:
+// 16 rows x 32 columns per pass, k in steps of 32. Each output element still sums over k in the
+// same order whatever M is, so rows stay independent of each other.
 #include <immintrin.h>
 #include <stdint.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DSPARK_AMX 1
+#endif
 
 namespace {
 
@@ -92,9 +103,105 @@ void gemm(const float* x, int64_t M, int64_t K, const W* panels, int64_t N, Y* y
   }
 }
 
+#ifdef DSPARK_AMX
+constexpr int kTileK = 32;     // bf16 values of k per tile multiply
+constexpr int kTileRows = 16;  // rows of x per tile pass
+
+struct TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux hands out the tile registers only on request (once per process).
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+// Tiles 0, 1: the accumulators of columns 0-15 and 16-31; 2: x; 3, 4: the weight pairs.
+void configure_tiles(int rows) {
+  TileConfig config = {};
+  config.palette_id = 1;
+  for (int t = 0; t < 5; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = static_cast<uint8_t>(t < 3 ? rows : kTileK / 2);
+  }
+  _tile_loadconfig(&config);
+}
+
+inline void store_row(const float* acc, uint16_t* y, int cols) {
+  const __mmask16 mask0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 mask1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  store(y, 0, mask0, _mm512_loadu_ps(acc));
+  store(y, 16, mask1, _mm512_loadu_ps(acc + 16));
+}
+
+// x: M x K bfloat16, K a multiple of kTileK; panels [P][K/2][32][2]; y: M x N bfloat16.
+void amx_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panels, int64_t N, uint16_t* y, int threads) {
+  const int64_t P = (N + kPanel - 1) / kPanel;
+#pragma omp parallel num_threads(threads)
+  {
+    alignas(64) float acc[kTileRows * kPanel];
+    int configured = -1;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < P; ++p) {
+      const uint16_t* panel = panels + p * K * kPanel;
+      const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
+        if (rows != configured) {
+          configure_tiles(rows);
+          configured = rows;
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t k = 0; k < K; k += kTileK) {
+          _tile_loadd(2, x + m0 * K + k, K * 2);
+          _tile_loadd(3, panel + k * kPanel, kPanel * 4);
+          _tile_loadd(4, panel + k * kPanel + kPanel, kPanel * 4);
+          _tile_dpbf16ps(0, 2, 3);
+          _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, acc, kPanel * 4);
+        _tile_stored(1, acc + 16, kPanel * 4);
+        for (int m = 0; m < rows; ++m) store_row(acc + m * kPanel, y + (m0 + m) * N + p * kPanel, cols);
+      }
+    }
+    if (configured >= 0) _tile_release();
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
+// 1 when bfloat16 weights go through the tiles (pack them with `dspark_panel_gemm_amx`'s layout).
+int dspark_amx_panels() {
+#ifdef DSPARK_AMX
+  return amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// x: M x K bfloat16, K a multiple of 32; panels [P][K/2][32][2] bfloat16; y: M x N bfloat16.
+// Returns 0; -1 where the tiles are not available, -2 for a K the tiles cannot step over.
+int dspark_panel_gemm_amx(const void* x, int64_t M, int64_t K, const void* panels, int64_t N, void* y, int threads) {
+#ifdef DSPARK_AMX
+  if (!amx_permitted()) return -1;
+  if (K % kTileK != 0) return -2;
+  amx_gemm(static_cast<const uint16_t*>(x), M, K, static_cast<const uint16_t*>(panels), N, static_cast<uint16_t*>(y),
+           threads);
+  return 0;
+#else
+  (void)x; (void)M; (void)K; (void)panels; (void)N; (void)y; (void)threads;
+  return -1;
+#endif
+}
+
 int dspark_panel_width() { return kPanel; }
 
 // x: M x K float32, or bfloat16 when x_bf16 (widened once here); panels bfloat16 when w_bf16;

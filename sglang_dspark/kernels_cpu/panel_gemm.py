@@ -23,6 +23,12 @@ Each output element sums over the input dimension in the same order whatever the
 so a row's result does not depend on the rows beside it: a verify window reproduces the one-token
 decode step's linears bit for bit.
 
+On a CPU with AMX (`amx_bf16`, and Linux granting the tile registers) bfloat16 weights whose input
+width is a multiple of 32 are packed as pairs of consecutive inputs per column, `[P][in/2][32][2]`, and multiplied
+on the tiles 16 rows at a time: still streamed once per call, and a verify window of many rows
+then costs little more than one row. Every output element still sums over the input dimension in
+the same order whatever the number of rows.
+
 The kernel needs AVX-512F and a C++ compiler (`g++`, or `$CXX`); it is built with `-march=native`
 into `$DSPARK_CACHE/kernels/` (about 2 s, once per source and machine) and loaded with ctypes. It
 runs on the OpenMP pool torch already loaded (libgomp), with torch's thread count.
@@ -36,10 +42,11 @@ from pathlib import Path
 
 import torch
 
-from sglang_dspark.kernels_cpu.build import KernelUnavailable, load_library
+from sglang_dspark.kernels_cpu.build import KernelUnavailable, env_choice, load_library
 
 SOURCE = Path(__file__).with_name("panel_gemm.cpp")
 PANEL_WIDTH = 32
+AMX_TILE_K = 32  # inputs per tile multiply: AMX panels need an input width that is a multiple
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -56,14 +63,28 @@ def load_kernel() -> ctypes.CDLL:
             ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]})
     except KernelUnavailable as error:
         raise PanelKernelUnavailable(str(error)) from error
+    kernel.dspark_panel_gemm_amx.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    kernel.dspark_panel_gemm_amx.restype = ctypes.c_int
     if kernel.dspark_panel_width() != PANEL_WIDTH:
         raise PanelKernelUnavailable(f"{kernel._name} has panels of {kernel.dspark_panel_width()}, expected {PANEL_WIDTH}")
     return kernel
 
 
+@functools.cache
+def amx_panels() -> bool:
+    """Whether bfloat16 weights go through the AMX tiles here: the kernel was built with AMX, Linux
+    granted the tile registers, and `DSPARK_CPU_AMX` is not `off`. Weights packed before a change
+    keep their layout (`panel_linear` reads it from their shape)."""
+    if env_choice("DSPARK_CPU_AMX", ("auto", "off")) == "off":
+        return False
+    return bool(load_kernel().dspark_amx_panels())
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """`[out, in]` float32/bfloat16 weight -> contiguous `[ceil(out/32), in, 32]` panels, same dtype
-    (the last panel zero-padded)."""
+    (the last panel zero-padded); a bfloat16 weight whose `in` is a multiple of 32 where
+    `amx_panels()`: `[ceil(out/32), in/2, 32, 2]`, pairs of consecutive inputs per column."""
     if weight.dim() != 2 or weight.dtype not in SUPPORTED_DTYPES or weight.device.type != "cpu":
         raise ValueError(f"pack_panels needs a 2-D float32 or bfloat16 CPU weight, got {tuple(weight.shape)} "
                          f"{weight.dtype} on {weight.device}")
@@ -71,22 +92,34 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     panels = -(-out_features // PANEL_WIDTH)
     padded = torch.zeros(panels * PANEL_WIDTH, in_features, dtype=weight.dtype)
     padded[:out_features] = weight.detach()
+    if weight.dtype == torch.bfloat16 and in_features % AMX_TILE_K == 0 and amx_panels():
+        return padded.view(panels, PANEL_WIDTH, in_features // 2, 2).transpose(1, 2).contiguous()
     return padded.view(panels, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    """`F.linear(x, weight)` (no bias) through the panels of `weight`, for float32 or bfloat16 x;
-    the result has x's dtype. Accumulates in float32 and rounds once at the end (to nearest even
-    for bfloat16, as torch and the BLAS do)."""
-    in_features = panels.shape[1]
-    if x.shape[-1] != in_features or out_features > panels.shape[0] * PANEL_WIDTH or x.dtype not in SUPPORTED_DTYPES:
+    """`F.linear(x, weight)` (no bias) through the panels of `weight`, for float32 or bfloat16 x
+    (bfloat16 only for AMX panels, as for their weight); the result has x's dtype. Accumulates in
+    float32 and rounds once at the end (to nearest even for bfloat16, as torch and the BLAS do)."""
+    amx = panels.dim() == 4
+    in_features = panels.shape[1] * 2 if amx else panels.shape[1]
+    if (x.shape[-1] != in_features or out_features > panels.shape[0] * PANEL_WIDTH or x.dtype not in SUPPORTED_DTYPES
+            or (amx and x.dtype != torch.bfloat16)):
         raise ValueError(f"panel_linear: input {tuple(x.shape)} {x.dtype} or {out_features} outputs do not fit "
-                         f"panels {tuple(panels.shape)}")
+                         f"panels {tuple(panels.shape)} {panels.dtype}")
     rows = x if x.dim() == 2 else x.reshape(-1, in_features)  # (reshape costs ~2 us; this runs ~200x a step)
     if not rows.is_contiguous():
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
-    load_kernel().dspark_panel_gemm(rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], in_features,
-                                    panels.data_ptr(), panels.dtype == torch.bfloat16, out_features,
-                                    out.data_ptr(), out.dtype == torch.bfloat16, torch.get_num_threads())
+    kernel = load_kernel()
+    if amx:
+        status = kernel.dspark_panel_gemm_amx(rows.data_ptr(), rows.shape[0], in_features, panels.data_ptr(),
+                                              out_features, out.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise PanelKernelUnavailable(f"AMX panels, but the kernel refused them (status {status}: -1 no tiles "
+                                         "in this process, -2 an input width that is not a multiple of 32)")
+    else:
+        kernel.dspark_panel_gemm(rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], in_features,
+                                 panels.data_ptr(), panels.dtype == torch.bfloat16, out_features,
+                                 out.data_ptr(), out.dtype == torch.bfloat16, torch.get_num_threads())
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
