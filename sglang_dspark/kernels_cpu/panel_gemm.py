@@ -17,7 +17,16 @@ not fit in cache, and the VM's speed drifts between runs):
 | panels float32 ms | 46.5 | 30.0 | | 33.9 | | 58.0 | 93.1 |
 
 In bf16 the panels also won at 128 and 512 rows (164 / 858 ms against 629 / 2314), so they serve
-every bf16 batch, prefills included.
+every bf16 batch, prefills included. On a CPU with AMX (session 12; oneDNN multiplies bf16 on the
+tiles there), bfloat16 ms:
+
+| rows | 1 | 2 | 4 | 8 | 16 | 32 | 64 | 128 | 512 |
+|---|---|---|---|---|---|---|---|---|---|
+| oneDNN | 37.7 | 39.0 | 42.2 | 38.8 | 38.3 | 40.1 | 56.3 | 74.5 | 147.0 |
+| panels on the tiles | 20.0 | 21.1 | 21.8 | 21.8 | 22.1 | 25.6 | 35.5 | 52.5 | 134.1 |
+
+(the AVX-512 panels on the same CPU: 21.7 ms at 1 row, 24.5 at 4, 36.7 at 16, 55.2 at 32, 167.4 at
+128 in session 11).
 
 Each output element sums over the input dimension in the same order whatever the number of rows,
 so a row's result does not depend on the rows beside it: a verify window reproduces the one-token
