@@ -50,6 +50,11 @@ inline void store(uint16_t* y, int64_t offset, __mmask16 mask, __m512 values) {
   _mm256_mask_storeu_epi16(y + offset, mask, _mm512_cvtepi32_epi16(rounded));
 }
 
+// The first `cols` of 16 lanes (none for cols <= 0): a panel's last columns may lie past N.
+inline __mmask16 column_mask(int cols) {
+  return cols >= 16 ? 0xFFFF : cols <= 0 ? 0 : static_cast<__mmask16>((1u << cols) - 1);
+}
+
 template <int M, typename W, typename Y>
 inline void panel_pass(const float* x, int64_t K, const W* panel, Y* y, int64_t N, int cols) {
   __m512 acc0[M], acc1[M];
@@ -67,8 +72,7 @@ inline void panel_pass(const float* x, int64_t K, const W* panel, Y* y, int64_t 
       acc1[m] = _mm512_fmadd_ps(xb, w1, acc1[m]);
     }
   }
-  const __mmask16 mask0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-  const __mmask16 mask1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __mmask16 mask0 = column_mask(cols), mask1 = column_mask(cols - 16);
   for (int m = 0; m < M; ++m) {
     store(y, m * N, mask0, acc0[m]);
     store(y, m * N + 16, mask1, acc1[m]);
@@ -133,8 +137,7 @@ void configure_tiles(int rows) {
 }
 
 inline void store_row(const float* acc, uint16_t* y, int cols) {
-  const __mmask16 mask0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-  const __mmask16 mask1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __mmask16 mask0 = column_mask(cols), mask1 = column_mask(cols - 16);
   store(y, 0, mask0, _mm512_loadu_ps(acc));
   store(y, 16, mask1, _mm512_loadu_ps(acc + 16));
 }
