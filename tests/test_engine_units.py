@@ -246,6 +246,20 @@ def test_a_first_slow_walk_does_not_make_drafting_look_dear():
     assert tracker.estimate(16) == pytest.approx(0.030, rel=0.05), "the line still follows the batch size"
 
 
+def test_a_one_off_slow_draft_at_a_rarely_seen_batch_size_is_capped_by_larger_ones():
+    """Under concurrency 4 the server's first draft (275 ms, one-off) was batch 1's only sample;
+    the line through it and batch 4's 12 ms charged a wave's last request 245 ms per draft, so it
+    never drafted. A smaller batch never costs more than a larger one."""
+    from sglang_dspark.engine.planning import DraftCostTracker
+
+    tracker = DraftCostTracker()
+    tracker.add(1, 0.275)
+    for _ in range(40):
+        tracker.add(4, 0.012)
+    assert tracker.estimate(1) <= 0.012
+    assert tracker.estimate(4) == pytest.approx(0.012)
+
+
 def test_draft_costs_charge_the_block_once_and_the_walk_per_slot():
     from sglang_dspark.engine.planning import DraftCosts
 

@@ -83,6 +83,10 @@ class DraftCostTracker:
         sizes, seconds = samples[order, 0], samples[order, 1]
         unique_sizes, starts, counts = np.unique(sizes, return_index=True, return_counts=True)
         medians = (seconds[starts + (counts - 1) // 2] + seconds[starts + counts // 2]) / 2
+        # more rows never cost less: a size's median is capped by every larger size's. A server's
+        # first draft (275 ms, one-off) was batch 1's only sample under concurrency 4, and the line
+        # through it and batch 4's 12 ms charged batch 1 245 ms: a wave's last request never drafted
+        medians = np.minimum.accumulate(medians[::-1])[::-1]
         if len(unique_sizes) == 1:
             return float(unique_sizes[0]), float(medians[0]), 0.0
         # least squares through the medians, each weighted by its sample count
