@@ -406,6 +406,14 @@ def test_a_veto_measured_on_requests_that_have_all_left_is_forgotten():
     assert fresh[0] > 0, "new requests: drafting is measured again"
     assert planner.vetoed and sum(w > 0 for w in fresh) <= 8, fresh
 
+    # a wave's last request vetoed at batch 1; the next wave (4 new requests) forgets it, so its
+    # own last request is measured afresh instead of inheriting the veto
+    planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=16)
+    _replay(planner, 200, ids=[7], **{"drafted_step": (1.3, 0.2), "skipped_step": (1.0, 0.05)})
+    assert planner.vetoed
+    _replay(planner, 5, ids=[10, 11, 12, 13], **{"drafted_step": (7.0, 0.06), "skipped_step": (4.0, 0.05)})
+    assert _replay(planner, 1, ids=[13], **losing)[0] > 0, "the next wave's last request drafts again"
+
     # in a large batch what drafting delivers is a property of the load: the veto holds
     large = list(range(FORGET_MAX_BATCH + 12))
     losing = {"drafted_step": (20.0, 0.2), "skipped_step": (16.0, 0.05)}

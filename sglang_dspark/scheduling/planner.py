@@ -627,11 +627,12 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
     What the model values is checked against what the steps measured (`record_step`,
     `StepRates`): where drafted steps around this batch size delivered fewer tokens/s than
     skipped ones (by more than `StepRates.margin`), the step skips whatever the model says
-    (`vetoed`); the same backed-off probes keep the drafted side measured. What drafted steps
-    measured is forgotten once none of the requests they were measured on is left in a batch of
-    at most `FORGET_MAX_BATCH`: acceptance is a property of the text, and at concurrency 1 one
-    request whose drafts paid little (1.3 tokens a step) had otherwise kept the next six
-    requests from drafting, 26 % of all steps vetoed. Where skipped steps have not been measured
+    (`vetoed`); the same backed-off probes keep the drafted side measured. A veto that began in
+    a batch of at most `FORGET_MAX_BATCH` is forgotten, with what drafted steps measured at that
+    batch size, once none of its requests is left: acceptance is a property of the text, and at
+    concurrency 1 one request whose drafts paid little (1.3 tokens a step) had otherwise kept
+    the next six requests from drafting, 26 % of all steps vetoed; at concurrency 4 one wave's
+    last request, vetoed at batch 1, vetoed every later wave's last request (47 % of steps). Where skipped steps have not been measured
     lately, one drafted step in `explore_every * MAX_PROBE_BACKOFF` skips instead (every
     `explore_every / SKIP_SAMPLE_SPEEDUP` until `StepRates.min_samples` are known), so the
     comparison exists wherever the model drafts."""
@@ -648,6 +649,7 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         self._drafts_in_a_row = 0
         self.vetoed = False  # the last decision skipped because drafting measurably lost
         self._veto_requests: frozenset | None = None  # the batch when drafting began to lose
+        self._veto_batch = 0  # and its size
         self._drafting_lost = False
         self._step_throughput: float | None = None  # lambda of the last `decide`, for `verify_lens`
 
@@ -679,14 +681,16 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         self._step_throughput = min(self._throughput(batch, context_tokens), float((expected / seconds).max()))
         value = expected - self._step_throughput * seconds
         requests = frozenset(request_ids)
-        if self._veto_requests is not None and batch <= FORGET_MAX_BATCH and not requests & self._veto_requests:
-            self.rates.forget(batch, drafted=True)  # the veto was measured on requests now gone
+        if self._veto_requests is not None and not requests & self._veto_requests:
+            # the veto was measured on requests now gone: forget what drafting measured at the
+            # veto's batch size (a wave's last request at 1, say, when the next wave runs at 4)
+            self.rates.forget(self._veto_batch, drafted=True)
             self._veto_requests = None
         width = self._choose_width(batch, value)
         if not self._drafting_lost:
             self._veto_requests = None
-        elif self._veto_requests is None:
-            self._veto_requests = requests
+        elif self._veto_requests is None and batch <= FORGET_MAX_BATCH:
+            self._veto_requests, self._veto_batch = requests, batch
         decision = CapacityDecision(batch * width, width, float(expected[width]), float(seconds[width]))
         self._track_throughput(decision)
         return decision
