@@ -374,9 +374,6 @@ def sps_serve_command(
     long_tokens: int = typer.Option(1200, min=16, help="Context of the long prompts."),
     dtype: str = typer.Option("bfloat16", help="The dtype the server will serve in."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
-    overlap: bool = typer.Option(True, "--overlap/--no-overlap",
-                                 help="SGLang's overlap scheduler in every arm's server (--no-overlap passes "
-                                      "--disable-overlap-schedule to all of them)."),
     port: int = typer.Option(30100, help="Port of the profiled server."),
     from_log: Path = typer.Option(None, "--from-log", help="Fit from this DSPARK_STEP_LOG file instead of running a sweep."),
     plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of the measured and fitted SPS curves."),

@@ -321,13 +321,13 @@ def test_the_width_values_equal_a_per_width_evaluation(batch):
     planner.publish(ids, random_survivals(batch, 7, seed=batch))
     per_slot = [0.0] + [0.002 * w for w in range(1, 8)]
     state = planner._rng.bit_generator.state
-    expected, seconds = planner._width_values(batch, 120.0, per_slot)
+    throughput = planner._throughput(batch, 120.0)
+    expected, seconds = planner._width_values(batch, 120.0, per_slot, throughput)
 
     planner._rng.bit_generator.state = state  # the same virtual batches
     pool = np.concatenate([snapshot.survivals for snapshot in planner._history])
     virtual = pool[planner._rng.integers(0, len(pool), size=(max(1, planner.virtual_rows // batch), batch))]
     target = convex().seconds_curve(batch, batch + np.arange(batch * 7 + 1, dtype=np.float64), 120.0)
-    throughput = planner._throughput(batch, 120.0)
     for width in range(1, 8):
         candidates = -np.sort(-virtual[:, :, :width].reshape(len(virtual), -1), axis=1)
         admitted = np.cumprod(candidates >= throughput * np.diff(target)[: candidates.shape[1]], axis=1)

@@ -33,9 +33,9 @@ so a row's result does not depend on the rows beside it: a verify window reprodu
 decode step's linears bit for bit.
 
 On a CPU with AMX (`amx_bf16`, and Linux granting the tile registers) bfloat16 weights whose input
-width is a multiple of 32 are packed as pairs of consecutive inputs per column, `[P][in/2][32][2]`, and multiplied
-on the tiles 16 rows at a time: still streamed once per call, and a verify window of many rows
-then costs little more than one row. Every output element still sums over the input dimension in
+width is a multiple of 32 are packed as pairs of consecutive inputs per column, `[P][in/2][32][2]`,
+and multiplied on the tiles 16 rows at a time: still streamed once per call, and a verify window
+of many rows then costs little more than one row. Every output element still sums over the input dimension in
 the same order whatever the number of rows.
 
 The kernel needs AVX-512F and a C++ compiler (`g++`, or `$CXX`); it is built with `-march=native`

@@ -632,10 +632,10 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
     batch size, once none of its requests is left: acceptance is a property of the text, and at
     concurrency 1 one request whose drafts paid little (1.3 tokens a step) had otherwise kept
     the next six requests from drafting, 26 % of all steps vetoed; at concurrency 4 one wave's
-    last request, vetoed at batch 1, vetoed every later wave's last request (47 % of steps). Where skipped steps have not been measured
-    lately, one drafted step in `explore_every * MAX_PROBE_BACKOFF` skips instead (every
-    `explore_every / SKIP_SAMPLE_SPEEDUP` until `StepRates.min_samples` are known), so the
-    comparison exists wherever the model drafts."""
+    last request, vetoed at batch 1, vetoed every later wave's last request (47 % of steps).
+    Where skipped steps have not been measured lately, one drafted step in `explore_every *
+    MAX_PROBE_BACKOFF` skips instead (every `explore_every / SKIP_SAMPLE_SPEEDUP` until
+    `StepRates.min_samples` are known), so the comparison exists wherever the model drafts."""
 
     def __init__(self, cost_model: CostModel | CostModelSlot, gamma: int, *, pool_steps: int = 16,
                  virtual_rows: int = 256, explore_every: int = 16, seed: int = 0,
@@ -674,11 +674,12 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         self.vetoed = False
         if not self._history:  # nothing known: draft the whole block and learn
             return CapacityDecision(batch * self.gamma, self.gamma, float("nan"), float("nan"))
-        expected, seconds = self._width_values(batch, context_tokens, draft_seconds)
+        throughput = self._throughput(batch, context_tokens)
+        expected, seconds = self._width_values(batch, context_tokens, draft_seconds, throughput)
         # lambda from larger batches can exceed what any width delivers here (a wave's last
         # requests): then every value is negative and the cheapest width, skipping, wins
         # whatever drafting would deliver, so cap lambda at this step's best tokens/s
-        self._step_throughput = min(self._throughput(batch, context_tokens), float((expected / seconds).max()))
+        self._step_throughput = min(throughput, float((expected / seconds).max()))
         value = expected - self._step_throughput * seconds
         requests = frozenset(request_ids)
         if self._veto_requests is not None and not requests & self._veto_requests:
@@ -695,13 +696,13 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         self._track_throughput(decision)
         return decision
 
-    def _width_values(self, batch: int, context_tokens: float,
-                      draft_seconds: float | Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-        """Expected committed tokens and seconds of drafting each width 0..gamma this step."""
+    def _width_values(self, batch: int, context_tokens: float, draft_seconds: float | Sequence[float],
+                      throughput: float) -> tuple[np.ndarray, np.ndarray]:
+        """Expected committed tokens and seconds of drafting each width 0..gamma this step, each
+        draft admitted while it pays for its seconds at `throughput` (lambda)."""
         pool = np.concatenate([snapshot.survivals for snapshot in self._history])
         virtual = pool[self._rng.integers(0, len(pool), size=(max(1, self.virtual_rows // batch), batch))]
         costs = _draft_costs(draft_seconds, self.gamma)
-        throughput = self._throughput(batch, context_tokens)
         tokens = batch + np.arange(batch * self.gamma + 1, dtype=np.float64)
         target = _target_seconds(self.cost_model, batch, tokens, context_tokens) + self.fixed_seconds
         marginal = np.diff(target)
