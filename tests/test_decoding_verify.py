@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from decoding_stats import FALSE_ALARM_RATE, chi_square_p_value, total_variation  # noqa: E402
 
-from sglang_dspark.decoding import DraftBlock, SamplingParams, logits_to_probs, sample_block, verify
+from sglang_dspark.decoding import DraftBlock, SamplingParams, logits_to_probs, sample_block, verify, verify_greedy
 from sglang_dspark.decoding import verification
 from sglang_dspark.decoding.verification import NO_TOKEN
 
@@ -48,6 +48,23 @@ def test_greedy_accepts_the_matching_prefix_then_emits_the_target_argmax() -> No
         [3, 4, NO_TOKEN, NO_TOKEN],  # capped at 1 draft -> bonus from slot 1
         [2, NO_TOKEN, NO_TOKEN, NO_TOKEN],
     ]
+
+
+def test_greedy_verification_from_argmax_ids_alone_equals_verification_from_logits() -> None:
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(32, 5, 6, generator=generator)
+    drafts = torch.randint(0, 6, (32, 7), generator=generator)
+    drafts[:16, :4] = logits[:16, :4].argmax(-1)  # half the rows accept some drafts
+    verify_lens = torch.randint(0, 5, (32,), generator=generator)
+    want = verify(greedy_block(drafts.tolist()), logits, verify_lens, SamplingParams.uniform(32, 0.0))
+    got = verify_greedy(drafts, logits.argmax(-1), verify_lens)
+    assert torch.equal(got.num_accepted, want.num_accepted) and torch.equal(got.tokens, want.tokens)
+    assert int(want.num_accepted.max()) >= 2, "the comparison must cover accepted runs, not just rejections"
+    given = verify(greedy_block(drafts.tolist()), logits, verify_lens, SamplingParams.uniform(32, 0.0),
+                   target_argmax=logits.argmax(-1))
+    assert torch.equal(given.tokens, want.tokens)
+    with pytest.raises(ValueError, match="verify_lens must be in 0..4"):
+        verify_greedy(drafts, logits.argmax(-1), torch.full((32,), 5))
 
 
 def test_zero_drafts_just_samples_the_bonus_at_slot_zero() -> None:

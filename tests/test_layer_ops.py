@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sglang_dspark.kernels_cpu import layer_hooks
-from sglang_dspark.kernels_cpu.layer_ops import add_rmsnorm, rope_neox
+from sglang_dspark.kernels_cpu.layer_ops import add_rmsnorm, rope_neox, row_argmax
 
 
 @pytest.fixture
@@ -111,3 +111,20 @@ def test_the_torch_setting_keeps_sglangs_ops_and_a_bad_one_is_refused(monkeypatc
             layer_hooks.layer_ops_mode()
     finally:
         layer_hooks.kernels_enabled.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_picks_what_torch_argmax_picks_ties_nans_and_strided_rows_included(dtype):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 49153, generator=generator).to(dtype)  # not a multiple of 16 columns
+    logits[1, 100] = logits[1, 40000] = 50.0  # a tie: the first one wins
+    logits[2, 49152] = 60.0  # the maximum in the scalar tail
+    logits[3, 300] = logits[3, 20] = float("nan")  # NaN counts as the maximum, the first one
+    logits[4] = float("-inf")
+    logits[5, 17] = float("inf")
+    assert torch.equal(row_argmax(logits), logits.argmax(-1))
+    assert row_argmax(logits).tolist()[1:4] == [100, 49152, 20]
+    wide = torch.randn(3, 200, generator=generator).to(dtype)
+    assert torch.equal(row_argmax(wide[:, 50:150]), wide[:, 50:150].argmax(-1)), "a row stride wider than the row"
+    short = torch.randn(4, 5, generator=generator).to(dtype)
+    assert torch.equal(row_argmax(short), short.argmax(-1))

@@ -8,7 +8,7 @@ data generation and tests. Nothing here imports sglang.
 from sglang_dspark.decoding.drafting import sample_block
 from sglang_dspark.decoding.reference import GenerateOutput, RoundStats, generate
 from sglang_dspark.decoding.sampling import SamplingParams, logits_to_probs
-from sglang_dspark.decoding.verification import DraftBlock, VerifyResult, verify
+from sglang_dspark.decoding.verification import DraftBlock, VerifyResult, verify, verify_greedy
 
 __all__ = [
     "DraftBlock",
@@ -20,4 +20,5 @@ __all__ = [
     "logits_to_probs",
     "sample_block",
     "verify",
+    "verify_greedy",
 ]

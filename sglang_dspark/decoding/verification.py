@@ -66,6 +66,7 @@ def verify(
     verify_lens: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    target_argmax: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Accept a prefix of each row's drafts and sample the correction or bonus token.
 
@@ -73,6 +74,8 @@ def verify(
     draft k-1; ``S`` is at least ``max(verify_lens) + 1`` and at most ``gamma + 1``.
     ``verify_lens [B]``: how many drafts of each row were verified (0..S-1); logits past a
     row's ``verify_lens[b] + 1`` slots are ignored.
+    ``target_argmax [B, S]``: ``target_logits.argmax(-1)`` if the caller already has it (a faster
+    kernel); it must agree with the logits in every verified slot.
     """
     batch, slots, vocab = _check_verify_inputs(draft, target_logits, verify_lens, params)
     device = target_logits.device
@@ -80,7 +83,11 @@ def verify(
     drafts = draft.tokens[:, :num_drafts].to(device)
     verify_lens = verify_lens.to(device=device, dtype=torch.long)
     greedy = params.greedy.to(device)
-    target_argmax = target_logits.argmax(-1)
+    if target_argmax is None:
+        target_argmax = target_logits.argmax(-1)
+    elif target_argmax.shape != (batch, slots):
+        raise ValueError(f"target_argmax has shape {tuple(target_argmax.shape)}; expected [{batch}, {slots}]")
+    target_argmax = target_argmax.to(device=device, dtype=torch.long)
 
     accepted = drafts == target_argmax[:, :num_drafts]
     sampled = ~greedy
@@ -103,10 +110,40 @@ def verify(
         )
         final_token = torch.where(sampled, sample_from_probs(correction, generator), final_token)
 
+    return _committed_tokens(drafts, num_accepted, final_token, slots)
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor, verify_lens: torch.Tensor) -> VerifyResult:
+    """`verify` for a batch of greedy rows, from the target's argmax alone (no logits, no copy).
+
+    ``draft_tokens [B, >= S-1]``, ``target_argmax [B, S]`` (slot k: the target's choice after
+    draft k-1), ``verify_lens [B]`` in 0..S-1. Gives exactly what `verify` gives greedy rows.
+    """
+    batch, slots = target_argmax.shape
+    if draft_tokens.shape[0] != batch or draft_tokens.shape[1] < slots - 1 or verify_lens.shape != (batch,):
+        raise ValueError(f"verify_greedy: draft tokens {tuple(draft_tokens.shape)} and verify_lens "
+                         f"{tuple(verify_lens.shape)} do not fit target_argmax {tuple(target_argmax.shape)}")
+    if bool(((verify_lens < 0) | (verify_lens > slots - 1)).any()):
+        raise ValueError(f"verify_lens must be in 0..{slots - 1}, got {verify_lens.tolist()}")
+    device = target_argmax.device
+    target_argmax = target_argmax.to(torch.long)
+    num_drafts = slots - 1
+    drafts = draft_tokens[:, :num_drafts].to(device)
+    in_window = torch.arange(num_drafts, device=device).unsqueeze(0) < verify_lens.to(device).unsqueeze(-1)
+    num_accepted = torch.cumprod(((drafts == target_argmax[:, :num_drafts]) & in_window).long(), dim=-1).sum(-1)
+    final_token = target_argmax[torch.arange(batch, device=device), num_accepted]
+    return _committed_tokens(drafts, num_accepted, final_token, slots)
+
+
+def _committed_tokens(drafts: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor,
+                      slots: int) -> VerifyResult:
+    """Each row's accepted drafts, then its correction or bonus token, then `NO_TOKEN`s."""
+    batch, num_drafts = drafts.shape
+    device = drafts.device
     tokens = torch.full((batch, slots), NO_TOKEN, dtype=torch.long, device=device)
     keep = torch.arange(num_drafts, device=device).unsqueeze(0) < num_accepted.unsqueeze(-1)
     tokens[:, :num_drafts] = torch.where(keep, drafts, tokens[:, :num_drafts])
-    tokens[rows, num_accepted] = final_token
+    tokens[torch.arange(batch, device=device), num_accepted] = final_token
     return VerifyResult(num_accepted=num_accepted, tokens=tokens)
 
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
+import numpy as np
 import torch
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.utils import GenerationBatchResult
@@ -32,11 +34,13 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 
-from sglang_dspark.decoding import DraftBlock, SamplingParams, VerifyResult, sample_block, verify
+from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block, verify, verify_greedy
 from sglang_dspark.engine import verify_attention
 from sglang_dspark.engine.planning import StepDecision, VerifyPlanner
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
 from sglang_dspark.engine.settings import load_settings
+from sglang_dspark.kernels_cpu.build import KernelUnavailable
+from sglang_dspark.kernels_cpu.layer_ops import load_layer_ops, row_argmax
 from sglang_dspark.kernels_cpu.gemm_layout import add_linear_panels, gemm_layout_mode, relayout_linears
 from sglang_dspark.kernels_cpu.panel_gemm import PanelKernelUnavailable
 from sglang_dspark.model import DraftContextCache, TargetWeights, load_drafter
@@ -95,6 +99,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         self.tap_store: torch.Tensor | None = None
         self._slot_owner: dict[int, str] = {}
         self.vocab_size = self.model_runner.model_config.vocab_size
+        self.row_argmax = _row_argmax_for(self.device)
         self._step = 0
         _ACTIVE_WORKER = self
         logger.info(
@@ -267,11 +272,12 @@ class DSparkLiveWorker(BaseSpecWorker):
         logits, taps, window_kv_slots = self._verify_forward(batch, slots, seq_lens, bonus, drafts, plan.verify_lens)
         verified = time.perf_counter()
         window_lens = plan.verify_lens + 1
-        if not decision.draft and bool(params.greedy.all()):  # a greedy one-token step: the argmax
-            outcome = VerifyResult(num_accepted=torch.zeros(batch_size, dtype=torch.long),
-                                   tokens=logits.argmax(-1, keepdim=True))
+        target_argmax = _pad_ids(self.row_argmax(logits).cpu(), window_lens)
+        if bool(params.greedy.all()):  # the logits are never copied or padded
+            outcome = verify_greedy(draft.tokens, target_argmax, plan.verify_lens)
         else:
-            outcome = verify(draft, _pad_rows(logits, window_lens), plan.verify_lens, params, self.verify_generator)
+            outcome = verify(draft, _pad_rows(logits.float().cpu(), window_lens), plan.verify_lens, params,
+                             self.verify_generator, target_argmax=target_argmax)
         accept_lens = outcome.num_accepted + 1
         new_seq_lens = seq_lens + accept_lens
         if decision.draft:
@@ -313,7 +319,7 @@ class DSparkLiveWorker(BaseSpecWorker):
                         bonus: torch.Tensor, drafts: torch.Tensor, verify_lens: torch.Tensor):
         """One TARGET_VERIFY forward over each request's `[bonus, first verify_lens[b] drafts]`.
 
-        Returns packed logits `[sum(w), V]`, taps `[sum(w), m*d]` and the window rows' KV slots. The
+        Returns packed logits `[sum(w), V]` (on the device), taps `[sum(w), m*d]` and the window rows' KV slots. The
         window's KV slots were reserved by the scheduler (`eagle_prepare_for_decode`: 2 x window past
         the committed length).
         """
@@ -352,7 +358,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         logits = output.next_token_logits[:, : self.vocab_size]
         if output.hidden_states is None or output.hidden_states.shape[0] != logits.shape[0]:
             raise RuntimeError("DSPARK_LIVE verify: the target returned no taps for the verify window")
-        return logits.float().cpu(), output.hidden_states.cpu(), out_cache_loc
+        return logits, output.hidden_states.cpu(), out_cache_loc
 
     # ------------------------------------------------------------------ records
 
@@ -428,12 +434,39 @@ def _pad_rows(packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _row_argmax_for(device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The C++ row argmax on a CPU (3-9x torch's on verify logits), torch's elsewhere or, with a
+    warning, where the kernel cannot be built."""
+    if torch.device(device).type != "cpu":
+        return lambda logits: logits.argmax(-1)
+    try:
+        load_layer_ops()
+    except KernelUnavailable as error:
+        logger.warning("DSPARK_LIVE: acceptance uses torch's argmax (no C++ row argmax: %s)", error)
+        return lambda logits: logits.argmax(-1)
+    return row_argmax
+
+
+def _pad_ids(packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """`[sum(lengths)]` -> `[B, max(lengths)]` (zeros past a request's length)."""
+    width = int(lengths.max())
+    if int(lengths.min()) == width:
+        return packed.view(len(lengths), width)
+    request, offset = _ragged_rows(lengths)
+    out = packed.new_zeros((len(lengths), width))
+    out[request, offset] = packed
+    return out
+
+
 def _ragged_rows(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For rows packed request by request (`lengths[b]` rows each): each row's request and its
-    offset within the request's run (vectorised: per-request Python cost ~1.4 % of a batch-16 step)."""
-    request = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
-    return request, torch.arange(int(lengths.sum())) - starts[request]
+    offset within the request's run. Vectorised (per-request Python cost ~1.4 % of a batch-16
+    step), in numpy: torch's `repeat_interleave` opens a parallel region even for 16 rows, whose
+    barrier waited ~1 ms a step in the server for a second thread the tokenizer kept busy."""
+    counts = lengths.numpy()
+    request = np.repeat(np.arange(len(counts)), counts)
+    starts = np.cumsum(counts) - counts
+    return torch.from_numpy(request), torch.from_numpy(np.arange(len(request)) - starts[request])
 
 
 def _committed_rows(window_lens: torch.Tensor, accept_lens: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,58 @@ void rope_rows(const int64_t* positions, const T* x, int64_t x_stride, T* out, i
   }
 }
 
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const uint16_t* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
+
+// The index of a row's largest value, the first one on ties and the first NaN if any (as
+// torch.argmax). Each AVX-512 lane keeps its own first maximum; the lanes are then reduced to the
+// smallest index holding the overall maximum.
+template <typename T>
+int64_t row_argmax(const T* row, int64_t cols) {
+  int64_t i = 0;
+  int64_t best_index = 0;
+  float best = -INFINITY;
+#ifdef __AVX512F__
+  if (cols >= 16 && cols < (int64_t(1) << 31)) {
+    __m512 lane_max = _mm512_set1_ps(-INFINITY);
+    __m512i lane_index = _mm512_setzero_si512();
+    __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    __mmask16 nan_seen = 0;
+    for (; i + 16 <= cols; i += 16) {
+      const __m512 v = load16(row + i);
+      nan_seen |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 greater = _mm512_cmp_ps_mask(v, lane_max, _CMP_GT_OQ);
+      lane_max = _mm512_mask_mov_ps(lane_max, greater, v);
+      lane_index = _mm512_mask_mov_epi32(lane_index, greater, index);
+      index = _mm512_add_epi32(index, sixteen);
+    }
+    if (nan_seen) {
+      for (int64_t j = 0; j < i; ++j)
+        if (std::isnan(load(row, j))) return j;
+    }
+    best = _mm512_reduce_max_ps(lane_max);
+    const __mmask16 holds_best = _mm512_cmp_ps_mask(lane_max, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    best_index = _mm512_mask_reduce_min_epi32(holds_best, lane_index);
+  }
+#endif
+  for (; i < cols; ++i) {
+    const float v = load(row, i);
+    if (std::isnan(v)) return i;
+    if (v > best || (i == 0)) {
+      best = v;
+      best_index = i;
+    }
+  }
+  return best_index;
+}
+
 }  // namespace
 
 extern "C" {
@@ -134,5 +186,15 @@ void dspark_rope_neox(const int64_t* positions, const void* q, int64_t q_stride,
       rope_rows(positions, static_cast<const float*>(x), stride, static_cast<float*>(out), rows, heads, head_size,
                 rotary_dim, static_cast<const float*>(cache), cache_stride);
   }
+}
+
+// x: [rows, cols] with row stride x_stride (elements), float32 or (bf16) bfloat16; out: [rows].
+// Rows are split over threads only when the call is large enough to repay the fork.
+void dspark_row_argmax(const void* x, int64_t rows, int64_t cols, int64_t x_stride, int bf16, int64_t* out,
+                       int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * cols >= (int64_t(1) << 21))
+  for (int64_t r = 0; r < rows; ++r)
+    out[r] = bf16 ? row_argmax(static_cast<const uint16_t*>(x) + r * x_stride, cols)
+                  : row_argmax(static_cast<const float*>(x) + r * x_stride, cols);
 }
 }
