@@ -1,10 +1,14 @@
 """`dspark-ctl bench serve`: plain serving vs DSPARK_LIVE on the same SGLang build and prompts.
 
 Each arm (no speculation; DSPARK_LIVE without drafts; DSPARK_LIVE) gets its own server, all up
-at once; for each concurrency c, c chat-templated prompts (math, code and chat, held-out eval
-split) are sent at once to each arm in turn, `repeats` times. Reported per cell (medians over
-repeats): aggregate output tokens/s, per-user tokens/s, tau (committed tokens per verify step,
-bonus included) and verify tokens per request-step.
+at once. For each concurrency c, a wave of c x `requests_per_client` chat-templated prompts (math,
+code and chat, held-out eval split) goes to each arm in turn, `repeats` times, through c clients
+that each send their next request as soon as their last one finished (the closed-loop load of
+SGLang's and vLLM's serving benchmarks). `--requests-per-client 1` sends c requests at once and
+waits for the slowest: a batch that drains to one request, where speculation's variable tokens
+per step make the last request of a wave finish later than it does without speculation.
+Reported per cell (medians over waves): aggregate output tokens/s, per-user tokens/s, tau
+(committed tokens per verify step, bonus included) and verify tokens per request-step.
 `--verify-cost` also measures the DSPARK_LIVE verify step at two context lengths from the
 worker's step log. Prints JSON; `--plot` writes a PNG of throughput against concurrency.
 """
@@ -53,10 +57,12 @@ def _generate(url: str, text: str, max_new_tokens: int, ignore_eos: bool = True)
             "verify_steps": meta.get("spec_verify_ct"), "cap_length": meta.get("spec_cap_length")}
 
 
-def run_wave(url: str, texts: list[str], max_new_tokens: int, ignore_eos: bool = True) -> dict:
-    """All `texts` at once; aggregate and per-user throughput, tau and verify width of the wave."""
+def run_wave(url: str, texts: list[str], max_new_tokens: int, ignore_eos: bool = True,
+             concurrency: int | None = None) -> dict:
+    """`texts` through `concurrency` clients (all at once when None), each sending its next text
+    when its last request finished; aggregate and per-user throughput, tau and verify width."""
     started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=len(texts)) as pool:
+    with ThreadPoolExecutor(max_workers=concurrency or len(texts)) as pool:
         results = list(pool.map(lambda t: _generate(url, t, max_new_tokens, ignore_eos), texts))
     wall = time.perf_counter() - started
     tokens = sum(r["tokens"] for r in results)
@@ -73,10 +79,10 @@ def _median_cells(waves: list[dict]) -> dict:
             | {"repeats": len(waves), "waves_tok_s": [w["aggregate_tok_s"] for w in waves]})
 
 
-def waves_per_cell(concurrency: int, repeats: int, min_requests: int) -> int:
+def waves_per_cell(wave_requests: int, repeats: int, min_requests: int) -> int:
     """At least `repeats` waves and `min_requests` requests per cell: a cell of concurrency 1 with
-    3 waves rests on 3 requests, too few for a 10 % effect on a machine that drifts 30 %."""
-    return max(repeats, -(-min_requests // concurrency))
+    3 one-request waves rests on 3 requests, too few for a 10 % effect on a machine that drifts 30 %."""
+    return max(repeats, -(-min_requests // wave_requests))
 
 
 ARMS = {
@@ -129,8 +135,9 @@ def arm_launch(arm: str, target: str, drafter_path: str | None, port: int, devic
 
 def bench_arms(launches: dict[str, ServerLaunch], prompts: list[str], concurrency: list[int], repeats: int,
                max_new_tokens: int, log_dir: Path, min_requests: int = 1, ignore_eos: bool = True,
-               warmup_waves: int = 0) -> dict:
-    """All arms' servers up at once; for each concurrency and repeat, one wave per arm in turn.
+               warmup_waves: int = 0, requests_per_client: int = 1) -> dict:
+    """All arms' servers up at once; for each concurrency and repeat, one wave per arm in turn
+    (c clients, `requests_per_client` requests each, see the module doc).
 
     Interleaving the arms' waves puts them minutes apart instead of a whole arm apart, so slow
     drifts of a shared machine's speed fall on every arm alike (an idle server sleeps).
@@ -147,10 +154,11 @@ def bench_arms(launches: dict[str, ServerLaunch], prompts: list[str], concurrenc
                     run_wave(launch.url, prompts[:c], max_new_tokens, ignore_eos)
             seen = {arm: _line_count(_step_log(launch)) for arm, launch in launches.items()}
             waves: dict[str, list[dict]] = {arm: [] for arm in launches}
-            for r in range(waves_per_cell(c, repeats, min_requests)):
-                texts = [prompts[(r * c + i) % len(prompts)] for i in range(c)]
+            size = c * requests_per_client
+            for r in range(waves_per_cell(size, repeats, min_requests)):
+                texts = [prompts[(r * size + i) % len(prompts)] for i in range(size)]
                 for arm, launch in launches.items():
-                    waves[arm].append(run_wave(launch.url, texts, max_new_tokens, ignore_eos))
+                    waves[arm].append(run_wave(launch.url, texts, max_new_tokens, ignore_eos, concurrency=c))
             for arm, launch in launches.items():
                 cells[arm][str(c)] = _median_cells(waves[arm])
                 if _step_log(launch) is not None:
@@ -256,13 +264,17 @@ def bench_serve_command(
     warmup_waves: int = typer.Option(1, min=0, help="Unmeasured waves per arm before each concurrency's "
                                                     "measured ones (a fresh server's planner learns there)."),
     min_requests: int = typer.Option(12, min=1, help="More waves where a cell would hold fewer requests than this."),
+    requests_per_client: int = typer.Option(4, min=1, help="Requests each of the c clients sends in a wave, one "
+                                                           "after the other (1: c at once, the wave waits for "
+                                                           "the slowest)."),
     max_new_tokens: int = typer.Option(128, min=1, help="Output tokens per request."),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--stop-at-eos",
                                     help="Generate exactly --max-new-tokens past the end of turn (default), or stop "
                                          "there like real traffic (greedy output is lossless, so every arm still "
                                          "produces the same tokens; the drafter never trained on text past the end "
                                          "of turn)."),
-    prompts_per_domain: int = typer.Option(6, min=1, help="Eval prompts taken from each domain."),
+    prompts_per_domain: int = typer.Option(22, min=1, help="Eval prompts taken from each domain (66 in all: a "
+                                                             "wave of 16 clients x 4 requests repeats none)."),
     dtype: str = typer.Option("bfloat16", help="Same dtype for both arms."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     overlap: bool = typer.Option(True, "--overlap/--no-overlap",
@@ -298,7 +310,7 @@ def bench_serve_command(
     log_dir = Path(tempfile.mkdtemp(prefix="dspark-bench-serve-"))
     report = {"config": {"model_path": target, "drafter": drafter_path, "dtype": dtype, "device": device, "overlap": overlap,
                          "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "repeats": repeats, "min_requests": min_requests,
-                         "warmup_waves": warmup_waves,
+                         "warmup_waves": warmup_waves, "requests_per_client": requests_per_client,
                          "prompts": len(texts),
                          "logs": str(log_dir), "arms": {arm: ARMS[arm_base(arm)] for arm in wanted},
                          "arm_env": {arm: env for arm, env in envs.items() if env}}, "arms": {}}
@@ -306,7 +318,7 @@ def bench_serve_command(
         launches = {arm: arm_launch(arm, target, drafter_path, port + i, device, dtype, log_dir, envs[arm], overlap)
                     for i, arm in enumerate(wanted)}
         report["arms"] = bench_arms(launches, texts, levels, repeats, max_new_tokens, log_dir, min_requests,
-                                    ignore_eos, warmup_waves)
+                                    ignore_eos, warmup_waves, requests_per_client)
     report.update(speedups(report["arms"]))
     failed = False
     if verify_cost_contexts:

@@ -2,6 +2,8 @@
 
 import json
 
+import time
+
 import pytest
 
 from dspark_ctl.bench_serve import step_summary
@@ -175,7 +177,7 @@ def test_warmup_waves_run_at_each_concurrency_before_the_measured_ones_and_stay_
 
     sent = []
 
-    def fake_wave(url, texts, max_new_tokens, ignore_eos=True):
+    def fake_wave(url, texts, max_new_tokens, ignore_eos=True, concurrency=None):
         sent.append((url, len(texts), max_new_tokens))
         return {"aggregate_tok_s": 1000.0 if len(sent) <= 6 else float(len(sent)), "per_user_tok_s": 1.0}
 
@@ -188,3 +190,40 @@ def test_warmup_waves_run_at_each_concurrency_before_the_measured_ones_and_stay_
     assert sent[:2] == [(url, 1, 8) for url in urls], "the server warm-up: one short request each"
     assert sent[2:6] == [(url, 4, 16) for url in urls] * 2, "two warm-up waves at concurrency 4, arms in turn"
     assert len(sent) == 10 and cells["plain"]["4"]["waves_tok_s"] == [7.0, 9.0]
+
+
+def test_a_wave_keeps_c_clients_busy_each_sending_its_next_request_when_the_last_one_ends(tmp_path, monkeypatch):
+    """The closed-loop load of SGLang's and vLLM's serving benchmarks: c requests in flight until
+    the wave's prompts run out, not c at once and a wait for the slowest."""
+    import contextlib
+    import threading
+
+    import httpx
+
+    from dspark_ctl import bench_serve
+    from dspark_ctl.serve import ServerLaunch
+
+    lock, in_flight, most, texts_sent = threading.Lock(), [0], [0], []
+
+    def fake_post(url, json, timeout):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            texts_sent.append(json["text"])
+        time.sleep(0.02)
+        with lock:
+            in_flight[0] -= 1
+        meta = {"completion_tokens": 10, "spec_verify_ct": 5, "spec_cap_length": 3.0}
+        return httpx.Response(200, json={"meta_info": meta}, request=httpx.Request("POST", url))
+
+    monkeypatch.setattr(httpx, "post", fake_post)
+    monkeypatch.setattr(bench_serve, "running", lambda launches, log_dir: contextlib.nullcontext())
+    launches = {"plain": ServerLaunch(model_path="t", port=1)}
+    prompts = [f"p{i}" for i in range(20)]
+    cells = bench_serve.bench_arms(launches, prompts, [3], repeats=2, max_new_tokens=16, log_dir=tmp_path,
+                                   requests_per_client=4)
+    measured = texts_sent[1:]  # after the server warm-up request
+    assert len(measured) == 2 * 3 * 4 and most[0] == 3, "two waves of 3 clients x 4 requests, 3 in flight at most"
+    assert sorted(measured[:12]) == sorted(prompts[:12]), "the first wave: the first 12 prompts"
+    assert sorted(measured[12:]) == sorted(prompts[12:] + prompts[:4]), "the next wave goes on from there"
+    assert cells["plain"]["3"]["repeats"] == 2
