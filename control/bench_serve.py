@@ -175,6 +175,10 @@ def _line_count(path: Path | None) -> int:
     return len(path.read_text().splitlines()) if path is not None and path.exists() else 0
 
 
+DRAFT_PARTS = ("decide", "catch_up", "block", "walk", "plan")
+"""A drafted step's seconds before the verify forward, as its step record splits them."""
+
+
 def step_summary(step_log: Path, skip: int = 0) -> dict:
     """Where a DSPARK_LIVE step's time went, from its step records (after the first `skip`)."""
     steps = [json.loads(line) for line in step_log.read_text().splitlines()[skip:]]
@@ -187,6 +191,8 @@ def step_summary(step_log: Path, skip: int = 0) -> dict:
         "drafted_share": len(drafted) / len(steps),
         "vetoed_share": sum(bool(s.get("vetoed")) for s in steps) / len(steps),
         "draft_seconds_median": statistics.median(s["draft_seconds"] for s in drafted) if drafted else None,
+        "draft_parts_median": {part: statistics.median(s.get(f"{part}_seconds", 0.0) for s in drafted)
+                               for part in DRAFT_PARTS} if drafted else None,
         "verify_seconds_median": statistics.median(s["verify_seconds"] for s in steps),
         "step_seconds_median": statistics.median(s["measured_seconds"] for s in steps),
         "predicted_over_measured_median": statistics.median(predicted) if predicted else None,

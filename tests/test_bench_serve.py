@@ -1,7 +1,6 @@
 """`dspark-ctl bench serve` reports where DSPARK_LIVE's step time went, from the worker's step log."""
 
 import json
-
 import time
 
 import pytest
@@ -26,6 +25,17 @@ def test_step_summary_reads_only_the_cells_own_steps(tmp_path):
     assert summary["draft_seconds_median"] == pytest.approx(0.02)
     assert summary["verify_seconds_median"] == pytest.approx(0.09)
     assert summary["predicted_over_measured_median"] == pytest.approx(0.5)
+    assert summary["draft_parts_median"]["block"] == pytest.approx(0.0), "records without the parts read as 0"
+
+
+def test_step_summary_splits_a_drafted_steps_time_into_its_parts(tmp_path):
+    log = tmp_path / "steps.jsonl"
+    parts = {"decide_seconds": 0.001, "catch_up_seconds": 0.002, "block_seconds": 0.004, "walk_seconds": 0.003,
+             "plan_seconds": 0.0005}
+    log.write_text(json.dumps(_step(True, 0.0105, 0.05, 0.07, None) | parts) + "\n"
+                   + json.dumps(_step(False, 0.001, 0.04, 0.045, None)) + "\n")
+    assert step_summary(log)["draft_parts_median"] == pytest.approx(
+        {"decide": 0.001, "catch_up": 0.002, "block": 0.004, "walk": 0.003, "plan": 0.0005})
 
 
 def test_step_summary_of_an_empty_cell(tmp_path):

@@ -132,6 +132,11 @@ def test_a_drafter_not_worth_its_cost_is_skipped_and_output_stays_exact(servers,
     assert len(skipped) > len(drafted), f"{len(skipped)} skipped vs {len(drafted)} drafted steps"
     assert drafted, "the planner never probed the drafter again"
     assert all(step["verify_tokens"] == step["batch_size"] for step in skipped), "a skipped step verified drafts"
+    parts = ("decide_seconds", "catch_up_seconds", "block_seconds", "walk_seconds", "plan_seconds")
+    for step in drafted:  # the record says where a drafted step's seconds before the verify went
+        assert all(step[part] > 0 for part in parts if part != "catch_up_seconds"), step
+        assert sum(step[part] for part in parts) <= step["draft_seconds"] + 1e-6, step
+    assert all(step["block_seconds"] == step["walk_seconds"] == 0.0 for step in skipped)
 
 
 @pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])

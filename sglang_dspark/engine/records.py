@@ -48,6 +48,10 @@ class StepRecord:
     vetoed: bool = False  # skipped although the cost model valued drafting: drafted steps measurably lost
     catch_up_rows: int = 0  # committed taps first projected into the drafter context this step
     catch_up_seconds: float = 0.0  # their share of draft_seconds
+    decide_seconds: float = 0.0  # the planner's draft-or-skip decision: its share of draft_seconds
+    block_seconds: float = 0.0  # the drafter's block forward: its share
+    walk_seconds: float = 0.0  # the Markov walk sampling the drafts: its share
+    plan_seconds: float = 0.0  # the verify lengths: its share
     requests: list[RequestStep] = field(default_factory=list)
 
     def to_json(self) -> dict:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -247,21 +248,22 @@ class DSparkLiveWorker(BaseSpecWorker):
             )
 
         rids = [req.rid for req in batch.reqs]
+        times, clock = DraftTimes(), time.perf_counter()
         decision = self.planner.decide(rids, seq_lens)
-        caught_up, catch_up_seconds = 0, 0.0
+        times.decide, clock = _lap(clock)
+        caught_up = 0
         if decision.draft:  # only the slots this step may verify are walked
-            catch_up_started = time.perf_counter()
             caught_up = self._catch_up(slots, seq_lens)
-            block_started = time.perf_counter()
-            catch_up_seconds = block_started - catch_up_started
-            self.planner.draft_costs.add_catch_up(caught_up, catch_up_seconds)
+            times.catch_up, clock = _lap(clock)
+            self.planner.draft_costs.add_catch_up(caught_up, times.catch_up)
             hidden = self.drafter.forward_block(self.context, slots, bonus)[:, : decision.draft_width]
-            walk_started = time.perf_counter()
+            times.block, clock = _lap(clock)
             draft = sample_block(self.drafter, hidden, bonus.to(self.device), params.to(self.device),
                                  self.generator, target_vocab_size=self.vocab_size)
-            self.planner.draft_costs.add(batch_size, decision.draft_width, walk_started - block_started,
-                                         time.perf_counter() - walk_started)
+            times.walk, clock = _lap(clock)
+            self.planner.draft_costs.add(batch_size, decision.draft_width, times.block, times.walk)
             plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision, greedy=params.greedy)
+            times.plan, _ = _lap(clock)
             drafts = draft.tokens
         else:  # drafts would cost more than they return: this step is a plain decode step
             draft = _empty_block(batch_size, self.vocab_size, sampled=not bool(params.greedy.all()))
@@ -292,7 +294,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         next_tokens = torch.zeros((batch_size, self.stride), dtype=torch.int64)
         next_tokens[:, : outcome.tokens.shape[1]] = outcome.tokens.clamp(min=0)
         self._record(batch, rids, slots, seq_lens, params, plan, outcome.num_accepted,
-                     started, drafted, verified, decision, caught_up, catch_up_seconds)
+                     started, drafted, verified, decision, caught_up, times)
         return GenerationBatchResult(
             logits_output=None,
             next_token_ids=next_tokens.reshape(-1).to(self.device),
@@ -363,13 +365,13 @@ class DSparkLiveWorker(BaseSpecWorker):
     # ------------------------------------------------------------------ records
 
     def _record(self, batch, rids, slots, seq_lens, params, plan, num_accepted, started, drafted, verified,
-                decision: StepDecision, caught_up: int, catch_up_seconds: float):
+                decision: StepDecision, caught_up: int, times: DraftTimes):
         self._step += 1
         finished = time.perf_counter()
         committed = int(num_accepted.sum()) + len(rids)
         # a drafting step's seconds as if every step drafted: the catch-up it paid for skipped
         # steps is replaced by the steady cost of projecting this step's committed tokens
-        steady_seconds = finished - started - catch_up_seconds + (
+        steady_seconds = finished - started - times.catch_up + (
             self.planner.draft_costs.catch_up_seconds(committed) if decision.draft else 0.0)
         self.planner.observe(plan, target_seconds=finished - drafted, step_seconds=steady_seconds,
                              committed_tokens=committed, drafted=decision.draft)
@@ -390,7 +392,9 @@ class DSparkLiveWorker(BaseSpecWorker):
             committed_tokens=sum(accepted) + len(rids), predicted_seconds=plan.predicted_seconds,
             measured_seconds=finished - started, draft_seconds=drafted - started,
             verify_seconds=verified - drafted, overlap=self.enable_overlap, drafted=decision.draft,
-            vetoed=decision.vetoed, catch_up_rows=caught_up, catch_up_seconds=catch_up_seconds,
+            vetoed=decision.vetoed, catch_up_rows=caught_up, catch_up_seconds=times.catch_up,
+            decide_seconds=times.decide, block_seconds=times.block, walk_seconds=times.walk,
+            plan_seconds=times.plan,
             requests=requests,
         ))
 
@@ -432,6 +436,23 @@ def _pad_rows(packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         out[b, :length] = packed[start : start + length]
         start += length
     return out
+
+
+@dataclass
+class DraftTimes:
+    """Where a step's seconds before the verify forward went (zeros for parts it skipped)."""
+
+    decide: float = 0.0  # the planner's draft-or-skip decision and width
+    catch_up: float = 0.0  # committed taps projected into the drafter context
+    block: float = 0.0  # the drafter's parallel block forward
+    walk: float = 0.0  # the Markov walk sampling the drafts, with their confidences
+    plan: float = 0.0  # the verify lengths from the survivals
+
+
+def _lap(since: float) -> tuple[float, float]:
+    """Seconds since `since`, and now (the next lap's start)."""
+    now = time.perf_counter()
+    return now - since, now
 
 
 def _row_argmax_for(device) -> Callable[[torch.Tensor], torch.Tensor]:
