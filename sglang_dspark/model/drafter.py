@@ -253,9 +253,10 @@ class DSparkDrafter(nn.Module):
             raise ValueError(f"taps shape {tuple(taps.shape)}: expected [{total}, m*d] (sum(counts) rows)")
         if total == 0:
             return
-        row_slot = torch.repeat_interleave(slots, counts)
-        first_row = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        positions = cache.lengths[row_slot] + torch.arange(total, device=cache.device) - first_row
+        row = torch.arange(total, device=cache.device)
+        owner = _owner_of_rows(counts, row)
+        row_slot = slots[owner]
+        positions = cache.lengths[row_slot] + row - (torch.cumsum(counts, 0) - counts)[owner]
         cache.ensure_capacity(int((cache.lengths[slots] + counts).max()))
         hidden = self.project_context(taps.to(self.device))
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
@@ -416,3 +417,11 @@ def check_d2t(d2t: torch.Tensor, config: DSparkConfig) -> torch.Tensor:
     if d2t.numel() > 1 and not bool((d2t[1:] > d2t[:-1]).all()):
         raise CheckpointError("d2t must be strictly increasing (sorted, distinct target ids)")
     return d2t
+
+
+def _owner_of_rows(counts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """For rows packed slot by slot (`counts[i]` rows each): the index i owning each row, what
+    `torch.repeat_interleave(arange, counts)` gives. Why not that: on a CPU it opens a parallel
+    region for any two counts, and inside a busy 2-core server its barrier waited up to ~1 ms for
+    the second thread; `searchsorted` stays on the calling thread below 200 rows."""
+    return torch.searchsorted(torch.cumsum(counts, 0), rows, right=True)
