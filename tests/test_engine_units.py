@@ -519,18 +519,19 @@ def test_verify_logits_are_padded_per_request_and_equal_windows_are_not_copied()
 
 
 def test_packed_argmax_ids_are_padded_per_request_and_equal_windows_are_not_copied():
-    from sglang_dspark.engine.worker import _pad_ids
+    from sglang_dspark.engine.worker import _pad_rows
 
     packed = torch.arange(6)
-    assert _pad_ids(packed, torch.tensor([1, 3, 2])).tolist() == [[0, 0, 0], [1, 2, 3], [4, 5, 0]]
-    equal = _pad_ids(packed, torch.tensor([3, 3]))
+    assert _pad_rows(packed, torch.tensor([1, 3, 2])).tolist() == [[0, 0, 0], [1, 2, 3], [4, 5, 0]]
+    equal = _pad_rows(packed, torch.tensor([3, 3]))
     assert equal.tolist() == [[0, 1, 2], [3, 4, 5]] and equal.data_ptr() == packed.data_ptr()
 
 
 def test_packed_window_rows_know_their_request_and_offset_and_which_are_committed():
-    from sglang_dspark.engine.worker import _committed_rows, _ragged_rows
+    from sglang_dspark.engine.worker import _committed_rows
+    from sglang_dspark.model.cache import packed_rows
 
-    request, offset = _ragged_rows(torch.tensor([1, 3, 0, 2]))
+    request, offset = packed_rows(torch.tensor([1, 3, 0, 2]))
     assert request.tolist() == [0, 1, 1, 1, 3, 3] and offset.tolist() == [0, 0, 1, 2, 0, 1]
     committed = _committed_rows(torch.tensor([1, 3, 2]), accept_lens=torch.tensor([1, 2, 1]))
     assert committed.tolist() == [True, True, True, False, True, False]

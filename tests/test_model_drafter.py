@@ -291,9 +291,12 @@ def test_a_short_draft_width_reaches_the_lm_head_as_a_contiguous_block(target, m
     torch.testing.assert_close(logits, block[:, :2].contiguous() @ drafter.lm_head.weight.T)
 
 
-def test_rows_packed_slot_by_slot_know_their_owner_empty_slots_included():
-    from sglang_dspark.model.drafter import _owner_of_rows
 
-    counts = torch.tensor([1, 3, 0, 2, 0])
-    assert _owner_of_rows(counts, torch.arange(6)).tolist() == [0, 1, 1, 1, 3, 3]
-    assert _owner_of_rows(torch.tensor([0, 0, 2]), torch.arange(2)).tolist() == [2, 2]
+def test_rows_packed_run_by_run_know_their_run_and_offset_empty_runs_included():
+    from sglang_dspark.model.cache import packed_rows
+
+    run, offset = packed_rows(torch.tensor([1, 3, 0, 2, 0]))
+    assert run.tolist() == [0, 1, 1, 1, 3, 3] and offset.tolist() == [0, 0, 1, 2, 0, 1]
+    run, offset = packed_rows(torch.tensor([0, 0, 2]))
+    assert run.tolist() == [2, 2] and offset.tolist() == [0, 1]
+    assert packed_rows(torch.tensor([], dtype=torch.long))[0].numel() == 0

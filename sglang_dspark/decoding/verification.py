@@ -97,8 +97,7 @@ def verify(
         draft_probs = draft.probs[:, :num_drafts].to(device)
         stochastic_accept = _rejection_accept(target_probs[:, :num_drafts], draft_probs, drafts, generator)
         accepted = torch.where(sampled.unsqueeze(-1), stochastic_accept, accepted)
-    in_window = torch.arange(num_drafts, device=device).unsqueeze(0) < verify_lens.unsqueeze(-1)
-    num_accepted = torch.cumprod((accepted & in_window).long(), dim=-1).sum(-1)
+    num_accepted = _accepted_prefix(accepted, verify_lens)
 
     rows = torch.arange(batch, device=device)
     final_token = target_argmax[rows, num_accepted]
@@ -129,10 +128,15 @@ def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor, verif
     target_argmax = target_argmax.to(torch.long)
     num_drafts = slots - 1
     drafts = draft_tokens[:, :num_drafts].to(device)
-    in_window = torch.arange(num_drafts, device=device).unsqueeze(0) < verify_lens.to(device).unsqueeze(-1)
-    num_accepted = torch.cumprod(((drafts == target_argmax[:, :num_drafts]) & in_window).long(), dim=-1).sum(-1)
+    num_accepted = _accepted_prefix(drafts == target_argmax[:, :num_drafts], verify_lens.to(device))
     final_token = target_argmax[torch.arange(batch, device=device), num_accepted]
     return _committed_tokens(drafts, num_accepted, final_token, slots)
+
+
+def _accepted_prefix(accepted: torch.Tensor, verify_lens: torch.Tensor) -> torch.Tensor:
+    """``[B]``: how many of each row's first drafts were accepted in a row, within its verify length."""
+    in_window = torch.arange(accepted.shape[1], device=accepted.device).unsqueeze(0) < verify_lens.unsqueeze(-1)
+    return torch.cumprod((accepted & in_window).long(), dim=-1).sum(-1)
 
 
 def _committed_tokens(drafts: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor,

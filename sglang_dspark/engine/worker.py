@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.utils import GenerationBatchResult
@@ -45,6 +44,7 @@ from sglang_dspark.kernels_cpu.layer_ops import load_layer_ops, row_argmax
 from sglang_dspark.kernels_cpu.gemm_layout import add_linear_panels, gemm_layout_mode, relayout_linears
 from sglang_dspark.kernels_cpu.panel_gemm import PanelKernelUnavailable
 from sglang_dspark.model import DraftContextCache, TargetWeights, load_drafter
+from sglang_dspark.model.cache import packed_rows
 from sglang_dspark.runtime import cpu_has_native_bf16
 
 logger = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         if not bool(rows.any()):
             return 0
         slots, lengths, missing = slots[rows], lengths[rows], missing[rows]
-        request, offset = _ragged_rows(missing)
+        request, offset = packed_rows(missing)
         req_to_token = self.req_to_token_pool.req_to_token
         kv_slots = req_to_token[slots[request].to(req_to_token.device),
                                 (lengths[request] + offset).to(req_to_token.device)].to(torch.long)
@@ -274,7 +274,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         logits, taps, window_kv_slots = self._verify_forward(batch, slots, seq_lens, bonus, drafts, plan.verify_lens)
         verified = time.perf_counter()
         window_lens = plan.verify_lens + 1
-        target_argmax = _pad_ids(self.row_argmax(logits).cpu(), window_lens)
+        target_argmax = _pad_rows(self.row_argmax(logits).cpu(), window_lens)
         if bool(params.greedy.all()):  # the logits are never copied or padded
             outcome = verify_greedy(draft.tokens, target_argmax, plan.verify_lens)
         else:
@@ -327,7 +327,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         """
         self._install_verify_attention()
         window_lens = verify_lens + 1
-        request, offset = _ragged_rows(window_lens)
+        request, offset = packed_rows(window_lens)
         windows = torch.cat((bonus[:, None], drafts.cpu()), dim=1)
         input_ids = windows[request, offset].to(self.device)
         positions = seq_lens[request] + offset
@@ -426,15 +426,14 @@ def _empty_block(batch_size: int, vocab_size: int, sampled: bool) -> DraftBlock:
 
 
 def _pad_rows(packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """`[sum(lengths), V]` -> `[B, max(lengths), V]` (rows past a request's length are zeros)."""
+    """`[sum(lengths), ...]` -> `[B, max(lengths), ...]` (rows past a request's length are zeros):
+    the verify logits, or their argmax ids."""
     width = int(lengths.max())
     if int(lengths.min()) == width:  # equal windows (always at batch 1): a view, no copy
-        return packed.view(len(lengths), width, packed.shape[-1])
-    out = packed.new_zeros((len(lengths), width, packed.shape[-1]))
-    start = 0
-    for b, length in enumerate(lengths.tolist()):
-        out[b, :length] = packed[start : start + length]
-        start += length
+        return packed.view(len(lengths), width, *packed.shape[1:])
+    request, offset = packed_rows(lengths)
+    out = packed.new_zeros((len(lengths), width, *packed.shape[1:]))
+    out[request, offset] = packed
     return out
 
 
@@ -468,29 +467,7 @@ def _row_argmax_for(device) -> Callable[[torch.Tensor], torch.Tensor]:
     return row_argmax
 
 
-def _pad_ids(packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """`[sum(lengths)]` -> `[B, max(lengths)]` (zeros past a request's length)."""
-    width = int(lengths.max())
-    if int(lengths.min()) == width:
-        return packed.view(len(lengths), width)
-    request, offset = _ragged_rows(lengths)
-    out = packed.new_zeros((len(lengths), width))
-    out[request, offset] = packed
-    return out
-
-
-def _ragged_rows(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For rows packed request by request (`lengths[b]` rows each): each row's request and its
-    offset within the request's run. Vectorised (per-request Python cost ~1.4 % of a batch-16
-    step), in numpy: torch's `repeat_interleave` opens a parallel region even for 16 rows, whose
-    barrier waited ~1 ms a step in the server for a second thread the tokenizer kept busy."""
-    counts = lengths.numpy()
-    request = np.repeat(np.arange(len(counts)), counts)
-    starts = np.cumsum(counts) - counts
-    return torch.from_numpy(request), torch.from_numpy(np.arange(len(request)) - starts[request])
-
-
 def _committed_rows(window_lens: torch.Tensor, accept_lens: torch.Tensor) -> torch.Tensor:
     """Mask of the packed window rows that are committed: the first `accept_lens[b]` of each window."""
-    request, offset = _ragged_rows(window_lens)
+    request, offset = packed_rows(window_lens)
     return offset < accept_lens[request]

@@ -125,7 +125,7 @@ int64_t row_argmax(const T* row, int64_t cols) {
   for (; i < cols; ++i) {
     const float v = load(row, i);
     if (std::isnan(v)) return i;
-    if (v > best || (i == 0)) {
+    if (v > best) {  // best_index stays 0 for a row of -inf, as torch.argmax
       best = v;
       best_index = i;
     }

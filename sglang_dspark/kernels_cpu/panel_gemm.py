@@ -34,9 +34,8 @@ decode step's linears bit for bit.
 
 On a CPU with AMX (`amx_bf16`, and Linux granting the tile registers) bfloat16 weights whose input
 width is a multiple of 32 are packed as pairs of consecutive inputs per column, `[P][in/2][32][2]`,
-and multiplied on the tiles 16 rows at a time: still streamed once per call, and a verify window
-of many rows then costs little more than one row. Every output element still sums over the input dimension in
-the same order whatever the number of rows.
+and multiplied on the tiles 16 rows at a time, in the same fixed order: still streamed once per
+call, and a verify window of many rows then costs little more than one row.
 
 The kernel needs AVX-512F and a C++ compiler (`g++`, or `$CXX`); it is built with `-march=native`
 into `$DSPARK_CACHE/kernels/` (about 2 s, once per source and machine) and loaded with ctypes. It

@@ -96,3 +96,16 @@ class DraftContextCache:
                 f"[0, {current.tolist()}]"
             )
         self.lengths[slots] = new_lengths
+
+
+def packed_rows(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows packed run by run (`counts[i]` rows for run i): each row's run and its offset in
+    the run, what `torch.repeat_interleave(arange, counts)` and a cumsum give.
+
+    Why not `repeat_interleave`: with a tensor of repeats it opens a parallel region for any two
+    runs (grain size 1), and inside the busy 2-core server py-spy showed its barrier waiting for
+    the second OpenMP thread; `searchsorted` stays on the calling thread below 200 rows."""
+    ends = torch.cumsum(counts, 0)
+    rows = torch.arange(int(counts.sum()), device=counts.device)
+    run = torch.searchsorted(ends, rows, right=True)
+    return run, rows - (ends - counts)[run]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sglang_dspark.model.cache import DraftContextCache
+from sglang_dspark.model.cache import DraftContextCache, packed_rows
 from sglang_dspark.model.config import DSparkConfig, default_target_layer_ids
 from sglang_dspark.model.errors import CheckpointError
 from sglang_dspark.model.heads import ConfidenceHead, MarkovHead
@@ -253,10 +253,9 @@ class DSparkDrafter(nn.Module):
             raise ValueError(f"taps shape {tuple(taps.shape)}: expected [{total}, m*d] (sum(counts) rows)")
         if total == 0:
             return
-        row = torch.arange(total, device=cache.device)
-        owner = _owner_of_rows(counts, row)
+        owner, offset = packed_rows(counts)
         row_slot = slots[owner]
-        positions = cache.lengths[row_slot] + row - (torch.cumsum(counts, 0) - counts)[owner]
+        positions = cache.lengths[row_slot] + offset
         cache.ensure_capacity(int((cache.lengths[slots] + counts).max()))
         hidden = self.project_context(taps.to(self.device))
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
@@ -418,11 +417,3 @@ def check_d2t(d2t: torch.Tensor, config: DSparkConfig) -> torch.Tensor:
         raise CheckpointError("d2t must be strictly increasing (sorted, distinct target ids)")
     return d2t
 
-
-def _owner_of_rows(counts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """For rows packed slot by slot (`counts[i]` rows each): the index i owning each row, what
-    `torch.repeat_interleave(arange, counts)` gives. Why not that: on a CPU it opens a parallel
-    region for any two counts (grain size 1), and in the worker's own row bookkeeping inside the
-    busy 2-core server its barrier waited for the second thread (py-spy); `searchsorted` stays on
-    the calling thread below 200 rows. (The served catch-up's median did not move: 2.2 ms.)"""
-    return torch.searchsorted(torch.cumsum(counts, 0), rows, right=True)
