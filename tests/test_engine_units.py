@@ -246,6 +246,27 @@ def test_a_first_slow_walk_does_not_make_drafting_look_dear():
     assert tracker.estimate(16) == pytest.approx(0.030, rel=0.05), "the line still follows the batch size"
 
 
+def test_draft_cost_tracker_refits_each_young_size_at_once_and_a_full_window_every_8_samples(monkeypatch):
+    """The fit runs on every decode step's estimate: redone after every sample it cost ~0.2 ms a
+    drafted step (two trackers) for medians that a single sample barely moves."""
+    from sglang_dspark.engine.planning import DraftCostTracker
+
+    tracker = DraftCostTracker()
+    fits = []
+    line = tracker._line
+    monkeypatch.setattr(tracker, "_line", lambda: fits.append(1) or line())
+    for _ in range(40):
+        tracker.add(4, 0.012)
+        tracker.estimate(4)
+    assert len(fits) == 8 + 4, "each of a size's first 8 samples, then every 8th"
+    tracker.add(16, 0.050)
+    assert tracker.estimate(16) == pytest.approx(0.050, rel=0.05), "a new batch size is fitted at once"
+    for _ in range(7):
+        tracker.add(4, 0.012)
+        tracker.estimate(4)
+    assert len(fits) == 8 + 4 + 1
+
+
 def test_a_one_off_slow_draft_at_a_rarely_seen_batch_size_is_capped_by_larger_ones():
     """Under concurrency 4 the server's first draft (275 ms, one-off) was batch 1's only sample;
     the line through it and batch 4's 12 ms charged a wave's last request 245 ms per draft, so it

@@ -41,6 +41,8 @@ from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
 from sglang_dspark.engine.settings import load_settings
 from sglang_dspark.kernels_cpu.build import KernelUnavailable
 from sglang_dspark.kernels_cpu.draft_walk import GreedyWalk, greedy_walk_fits
+from sglang_dspark.kernels_cpu.drafter_ops import add_drafter_kernels
+from sglang_dspark.kernels_cpu.layer_hooks import kernels_enabled as layer_kernels_enabled
 from sglang_dspark.kernels_cpu.layer_ops import load_layer_ops, row_argmax
 from sglang_dspark.kernels_cpu.gemm_layout import add_linear_panels, gemm_layout_mode, relayout_linears
 from sglang_dspark.kernels_cpu.panel_gemm import PanelKernelUnavailable
@@ -145,6 +147,9 @@ class DSparkLiveWorker(BaseSpecWorker):
                             add_linear_panels(drafter))
             except PanelKernelUnavailable as error:
                 logger.warning("DSPARK_LIVE: the drafter's linears use the BLAS (no weight panels): %s", error)
+        if torch.device(self.device).type == "cpu" and layer_kernels_enabled():
+            logger.info("DSPARK_LIVE: %d drafter norms and attentions run their small ops as kernel calls",
+                        add_drafter_kernels(drafter))
         return drafter
 
     def _draft_dtype(self) -> torch.dtype:

@@ -81,6 +81,34 @@ void rope_rows(const int64_t* positions, const T* x, int64_t x_stride, T* out, i
   }
 }
 
+// Per head: RMSNorm over head_size (float32, weight applied), then the rotate-half rotation by
+// this row's cos/sin [head_size] (the drafter's q/k path: Qwen3's q_norm/k_norm, then RoPE).
+template <typename T>
+void head_norm_rope_rows(const T* x, int64_t x_stride, T* out, int64_t rows, int heads, int head_size, const T* weight,
+                         float eps, const T* cos, int64_t cos_stride, const T* sin, int64_t sin_stride) {
+  const int half = head_size / 2;
+  float y[1024];
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* c = cos + r * cos_stride;
+    const T* s = sin + r * sin_stride;
+    for (int h = 0; h < heads; ++h) {
+      const T* in = x + r * x_stride + static_cast<int64_t>(h) * head_size;
+      T* o = out + (r * heads + h) * static_cast<int64_t>(head_size);
+      float sum = 0.0f;
+      for (int i = 0; i < head_size; ++i) {
+        y[i] = load(in, i);
+        sum += y[i] * y[i];
+      }
+      const float scale = 1.0f / std::sqrt(sum / static_cast<float>(head_size) + eps);
+      for (int i = 0; i < head_size; ++i) y[i] *= scale * load(weight, i);
+      for (int i = 0; i < half; ++i) {
+        store(o, i, y[i] * load(c, i) - y[i + half] * load(s, i));
+        store(o, i + half, y[i + half] * load(c, i + half) + y[i] * load(s, i + half));
+      }
+    }
+  }
+}
+
 #ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
@@ -186,6 +214,22 @@ void dspark_rope_neox(const int64_t* positions, const void* q, int64_t q_stride,
       rope_rows(positions, static_cast<const float*>(x), stride, static_cast<float*>(out), rows, heads, head_size,
                 rotary_dim, static_cast<const float*>(cache), cache_stride);
   }
+}
+
+// x: [rows, heads * head_size] with row stride x_stride; out: contiguous, same shape; weight:
+// [head_size]; cos, sin: [rows, head_size] with their row strides. All bfloat16 (bf16) or float32.
+void dspark_head_norm_rope(const void* x, int64_t x_stride, void* out, int64_t rows, int heads, int head_size,
+                           const void* weight, float eps, const void* cos, int64_t cos_stride, const void* sin,
+                           int64_t sin_stride, int bf16) {
+  if (head_size > 1024 || head_size % 2 != 0) return;
+  if (bf16)
+    head_norm_rope_rows(static_cast<const uint16_t*>(x), x_stride, static_cast<uint16_t*>(out), rows, heads, head_size,
+                        static_cast<const uint16_t*>(weight), eps, static_cast<const uint16_t*>(cos), cos_stride,
+                        static_cast<const uint16_t*>(sin), sin_stride);
+  else
+    head_norm_rope_rows(static_cast<const float*>(x), x_stride, static_cast<float*>(out), rows, heads, head_size,
+                        static_cast<const float*>(weight), eps, static_cast<const float*>(cos), cos_stride,
+                        static_cast<const float*>(sin), sin_stride);
 }
 
 // x: [rows, cols] with row stride x_stride (elements), float32 or (bf16) bfloat16; out: [rows].

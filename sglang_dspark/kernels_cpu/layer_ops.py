@@ -34,6 +34,8 @@ def load_layer_ops() -> ctypes.CDLL:
                              c.c_void_p, c.c_int, c.c_int64, c.c_int, c.c_int, c.c_void_p, c.c_int64, c.c_int,
                              c.c_int],
         "dspark_row_argmax": [c.c_void_p, c.c_int64, c.c_int64, c.c_int64, c.c_int, c.c_void_p, c.c_int],
+        "dspark_head_norm_rope": [c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_int, c.c_int, c.c_void_p,
+                                  c.c_float, c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_int],
     })
 
 
@@ -100,4 +102,31 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     load_layer_ops().dspark_row_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
                                        x.dtype == torch.bfloat16, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def head_norm_rope_fits(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """`x [..., heads, head_size]` with packed heads, cos/sin `[..., 1, head_size]` with one row per
+    row of x, everything CPU and of one float32/bfloat16 dtype, an even head size up to 1024."""
+    head_size = x.shape[-1] if x.dim() >= 2 else 0
+    return (x.dim() >= 2 and x.device.type == "cpu" and x.dtype in DTYPES and weight.dtype == x.dtype
+            and cos.dtype == x.dtype and sin.dtype == x.dtype and 0 < head_size <= 1024 and head_size % 2 == 0
+            and x.stride(-1) == 1 and x.stride(-2) == head_size and weight.shape == (head_size,)
+            and weight.is_contiguous() and cos.shape == sin.shape and cos.shape[-1] == head_size
+            and cos.numel() * x.shape[-2] == x.numel())
+
+
+def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary(rmsnorm(x) * weight, cos, sin)` per head, as a new tensor of x's shape: the
+    drafter's q and k paths (12 torch ops) in one call. Check `head_norm_rope_fits` first."""
+    heads, head_size = x.shape[-2], x.shape[-1]
+    rows = x.reshape(-1, heads * head_size)
+    cos_rows, sin_rows = cos.reshape(-1, head_size), sin.reshape(-1, head_size)
+    if cos_rows.stride(-1) != 1:
+        cos_rows, sin_rows = cos_rows.contiguous(), sin_rows.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    load_layer_ops().dspark_head_norm_rope(rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], heads,
+                                           head_size, weight.data_ptr(), eps, cos_rows.data_ptr(), cos_rows.stride(0),
+                                           sin_rows.data_ptr(), sin_rows.stride(0), x.dtype == torch.bfloat16)
     return out

@@ -57,12 +57,11 @@ class DraftContextCache:
     def check_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """Return `slots` as a long tensor on the cache device; reject out-of-range or repeats."""
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.device).reshape(-1)
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
-            raise ValueError(
-                f"slots {slots.tolist()} out of range: expected ids in [0, {self.num_slots - 1}]"
-            )
-        if torch.unique(slots).numel() != slots.numel():
-            raise ValueError(f"slots {slots.tolist()} repeat an id: expected distinct slots")
+        ids = slots.tolist()  # a few ids a step: checked in Python, ~5 us against ~60 for torch.unique & co
+        if ids and (min(ids) < 0 or max(ids) >= self.num_slots):
+            raise ValueError(f"slots {ids} out of range: expected ids in [0, {self.num_slots - 1}]")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"slots {ids} repeat an id: expected distinct slots")
         return slots
 
     def ensure_capacity(self, needed: int) -> None:

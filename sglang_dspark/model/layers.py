@@ -76,8 +76,13 @@ class InjectedAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K (k_norm + RoPE) and V of `x [..., n, d]`, each `[..., n, kv_heads, head_dim]`."""
         shape = x.shape[:-1] + (self.num_kv_heads, self.head_dim)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(shape)), cos, sin)
+        k = self.norm_rope(self.k_norm, self.k_proj(x).view(shape), cos, sin)
         return k, self.v_proj(x).view(shape)
+
+    def norm_rope(self, norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE of `norm(x)`, `x [..., heads, head_dim]` (the q and k paths; one method so that a
+        served drafter can run it as one kernel call, `kernels_cpu.drafter_ops`)."""
+        return apply_rotary(norm(x), cos, sin)
 
     def forward(
         self,
@@ -92,7 +97,7 @@ class InjectedAttention(nn.Module):
         mask: bool `[B, 1, L or 1, C + L]` (True = may attend) or None for "everything"."""
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
-        q = apply_rotary(self.q_norm(q), cos, sin)
+        q = self.norm_rope(self.q_norm, q, cos, sin)
         block_k, block_v = self.key_value(x, cos, sin)
         k = torch.cat((context_k, block_k), dim=1)
         v = torch.cat((context_v, block_v), dim=1)
