@@ -8,6 +8,9 @@ appends the accepted positions' taps (`DSparkDrafter.append_context`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
 
@@ -95,6 +98,42 @@ class DraftContextCache:
                 f"[0, {current.tolist()}]"
             )
         self.lengths[slots] = new_lengths
+
+
+@dataclass
+class BlockContext:
+    """One block step's view of the context cache: slot b's block (`width` rows at positions
+    `starts[b]..starts[b] + width - 1`) attends to the slot's cached rows `0..starts[b] - 1` and to
+    its own block. `model.layers.InjectedAttention.attend_cached` gathers those rows; a kernel may
+    read them in place, building what all layers share once per step (`shared`)."""
+
+    cache: DraftContextCache
+    slots: torch.Tensor
+    starts: torch.Tensor
+    width: int
+    shared: dict[str, Any] = field(default_factory=dict)
+
+    def gathered(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Layer `layer`'s context K/V `[B, C, kv_heads, head_dim]` (C: the longest context) and the
+        mask `[B, 1, 1, C + width]` that hides each shorter context's padding (None: no padding)."""
+        if "mask" not in self.shared:
+            arange = torch.arange(len(self.slots), device=self.slots.device)
+            self.shared["mask"], self.shared["contiguous"] = self._mask(), bool(torch.equal(self.slots, arange))
+        context_len = int(self.starts.max())
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        if self.shared["contiguous"]:
+            ctx_k, ctx_v = keys[: len(self.slots), :context_len], values[: len(self.slots), :context_len]
+        else:
+            ctx_k, ctx_v = keys[self.slots, :context_len], values[self.slots, :context_len]
+        return ctx_k.to(dtype), ctx_v.to(dtype), self.shared["mask"]
+
+    def _mask(self) -> torch.Tensor | None:
+        context_len = int(self.starts.max())
+        if int(self.starts.min()) == context_len:
+            return None
+        visible = torch.arange(context_len, device=self.starts.device) < self.starts.unsqueeze(-1)
+        block = visible.new_ones(len(self.slots), self.width)
+        return torch.cat((visible, block), dim=-1)[:, None, None, :]
 
 
 def packed_rows(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sglang_dspark.model.cache import DraftContextCache, packed_rows
+from sglang_dspark.model.cache import BlockContext, DraftContextCache, packed_rows
 from sglang_dspark.model.config import DSparkConfig, default_target_layer_ids
 from sglang_dspark.model.errors import CheckpointError
 from sglang_dspark.model.heads import ConfidenceHead, MarkovHead
@@ -282,21 +282,11 @@ class DSparkDrafter(nn.Module):
         if slots.numel() == 0:
             return self.fc.weight.new_empty((0, self.gamma, self.config.hidden_size))
         starts = cache.lengths[slots]
-        context_len = int(starts.max())
         hidden, cos, sin = self._embed_blocks(anchors.unsqueeze(-1), starts.unsqueeze(-1))
         hidden, cos, sin = hidden.squeeze(1), cos.squeeze(1), sin.squeeze(1)
-        mask = None
-        if int(starts.min()) != context_len:
-            visible = torch.arange(context_len, device=cache.device) < starts.unsqueeze(-1)
-            block = visible.new_ones(len(slots), self.gamma)
-            mask = torch.cat((visible, block), dim=-1)[:, None, None, :]
-        contiguous = bool(torch.equal(slots, torch.arange(len(slots), device=cache.device)))
-        for layer, keys, values in zip(self.layers, cache.keys, cache.values):
-            if contiguous:
-                ctx_k, ctx_v = keys[: len(slots), :context_len], values[: len(slots), :context_len]
-            else:
-                ctx_k, ctx_v = keys[slots, :context_len], values[slots, :context_len]
-            hidden = layer(hidden, cos, sin, ctx_k.to(self.dtype), ctx_v.to(self.dtype), mask)
+        context = BlockContext(cache, slots, starts, self.gamma)
+        for index, layer in enumerate(self.layers):
+            hidden = layer.forward_cached(hidden, cos, sin, context, index)
         return self.norm(hidden)
 
     def forward_train(

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang_dspark.model.cache import BlockContext
 from sglang_dspark.model.config import DSparkConfig
 
 
@@ -108,6 +109,13 @@ class InjectedAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
+    def attend_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: BlockContext,
+                      layer: int) -> torch.Tensor:
+        """`forward` for a served block step, over layer `layer`'s context cache rows (gathered)."""
+        context_k, context_v, mask = context.gathered(layer, x.dtype)
+        return self.forward(x, cos, sin, context_k, context_v, mask)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, config: DSparkConfig):
         super().__init__()
@@ -140,4 +148,10 @@ class DrafterLayer(nn.Module):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, context_k, context_v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_cached(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: BlockContext,
+                       layer: int) -> torch.Tensor:
+        """`forward` for a served block step, reading layer `layer`'s context from the cache."""
+        h = h + self.self_attn.attend_cached(self.input_layernorm(h), cos, sin, context, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
