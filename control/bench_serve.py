@@ -45,12 +45,15 @@ def chat_texts(model_path: str, prompts: list[str]) -> list[str]:
                                           add_generation_prompt=True) for p in prompts]
 
 
-def _generate(url: str, text: str, max_new_tokens: int, ignore_eos: bool = True) -> dict:
+GREEDY = {"temperature": 0.0}
+
+
+def _generate(url: str, text: str, max_new_tokens: int, ignore_eos: bool = True, sampling: dict | None = None) -> dict:
     import httpx
 
     started = time.perf_counter()
     response = httpx.post(f"{url}/generate", timeout=1800, json={
-        "text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}})
+        "text": text, "sampling_params": (sampling or GREEDY) | {"max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}})
     response.raise_for_status()
     meta = response.json()["meta_info"]
     return {"tokens": meta["completion_tokens"], "seconds": time.perf_counter() - started,
@@ -58,12 +61,13 @@ def _generate(url: str, text: str, max_new_tokens: int, ignore_eos: bool = True)
 
 
 def run_wave(url: str, texts: list[str], max_new_tokens: int, ignore_eos: bool = True,
-             concurrency: int | None = None) -> dict:
+             concurrency: int | None = None, sampling: dict | None = None) -> dict:
     """`texts` through `concurrency` clients (all at once when None), each sending its next text
-    when its last request finished; aggregate and per-user throughput, tau and verify width."""
+    when its last request finished; aggregate and per-user throughput, tau and verify width.
+    `sampling`: SGLang sampling parameters of every request (default greedy)."""
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency or len(texts)) as pool:
-        results = list(pool.map(lambda t: _generate(url, t, max_new_tokens, ignore_eos), texts))
+        results = list(pool.map(lambda t: _generate(url, t, max_new_tokens, ignore_eos, sampling), texts))
     wall = time.perf_counter() - started
     tokens = sum(r["tokens"] for r in results)
     wave = {"aggregate_tok_s": tokens / wall, "per_user_tok_s": statistics.mean(r["tokens"] / r["seconds"] for r in results)}
@@ -135,7 +139,7 @@ def arm_launch(arm: str, target: str, drafter_path: str | None, port: int, devic
 
 def bench_arms(launches: dict[str, ServerLaunch], prompts: list[str], concurrency: list[int], repeats: int,
                max_new_tokens: int, log_dir: Path, min_requests: int = 1, ignore_eos: bool = True,
-               warmup_waves: int = 0, requests_per_client: int = 1) -> dict:
+               warmup_waves: int = 0, requests_per_client: int = 1, sampling: dict | None = None) -> dict:
     """All arms' servers up at once; for each concurrency and repeat, one wave per arm in turn
     (c clients, `requests_per_client` requests each, see the module doc).
 
@@ -151,14 +155,15 @@ def bench_arms(launches: dict[str, ServerLaunch], prompts: list[str], concurrenc
         for c in concurrency:
             for _ in range(warmup_waves):
                 for launch in launches.values():
-                    run_wave(launch.url, prompts[:c], max_new_tokens, ignore_eos)
+                    run_wave(launch.url, prompts[:c], max_new_tokens, ignore_eos, sampling=sampling)
             seen = {arm: _line_count(_step_log(launch)) for arm, launch in launches.items()}
             waves: dict[str, list[dict]] = {arm: [] for arm in launches}
             size = c * requests_per_client
             for r in range(waves_per_cell(size, repeats, min_requests)):
                 texts = [prompts[(r * size + i) % len(prompts)] for i in range(size)]
                 for arm, launch in launches.items():
-                    waves[arm].append(run_wave(launch.url, texts, max_new_tokens, ignore_eos, concurrency=c))
+                    waves[arm].append(run_wave(launch.url, texts, max_new_tokens, ignore_eos, concurrency=c,
+                                               sampling=sampling))
             for arm, launch in launches.items():
                 cells[arm][str(c)] = _median_cells(waves[arm])
                 if _step_log(launch) is not None:
@@ -281,6 +286,8 @@ def bench_serve_command(
                                          "of turn)."),
     prompts_per_domain: int = typer.Option(22, min=1, help="Eval prompts taken from each domain (66 in all: a "
                                                              "wave of 16 clients x 4 requests repeats none)."),
+    temperature: float = typer.Option(0.0, min=0.0, help="Sampling temperature of every request (0: greedy)."),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus sampling of every request (1: off)."),
     dtype: str = typer.Option("bfloat16", help="Same dtype for both arms."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     overlap: bool = typer.Option(True, "--overlap/--no-overlap",
@@ -309,6 +316,10 @@ def bench_serve_command(
         typer.echo("error: no drafter given and none shipped; pass --drafter PATH or --arms plain", err=True)
         raise typer.Exit(code=2)
     levels = [int(c) for c in concurrency.split(",")]
+    if top_p <= 0.0:
+        typer.echo(f"error: --top-p {top_p}: expected a value in (0, 1]", err=True)
+        raise typer.Exit(code=2)
+    sampling = {"temperature": temperature, "top_p": top_p}
     texts: list[str] = []
     if wanted:
         by_domain = eval_prompts(prompts_per_domain)
@@ -316,7 +327,7 @@ def bench_serve_command(
     log_dir = Path(tempfile.mkdtemp(prefix="dspark-bench-serve-"))
     report = {"config": {"model_path": target, "drafter": drafter_path, "dtype": dtype, "device": device, "overlap": overlap,
                          "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "repeats": repeats, "min_requests": min_requests,
-                         "warmup_waves": warmup_waves, "requests_per_client": requests_per_client,
+                         "warmup_waves": warmup_waves, "requests_per_client": requests_per_client, "sampling": sampling,
                          "prompts": len(texts),
                          "logs": str(log_dir), "arms": {arm: ARMS[arm_base(arm)] for arm in wanted},
                          "arm_env": {arm: env for arm, env in envs.items() if env}}, "arms": {}}
@@ -324,7 +335,7 @@ def bench_serve_command(
         launches = {arm: arm_launch(arm, target, drafter_path, port + i, device, dtype, log_dir, envs[arm], overlap)
                     for i, arm in enumerate(wanted)}
         report["arms"] = bench_arms(launches, texts, levels, repeats, max_new_tokens, log_dir, min_requests,
-                                    ignore_eos, warmup_waves, requests_per_client)
+                                    ignore_eos, warmup_waves, requests_per_client, sampling)
     report.update(speedups(report["arms"]))
     failed = False
     if verify_cost_contexts:

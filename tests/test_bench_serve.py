@@ -177,6 +177,25 @@ def test_waves_stop_at_the_end_of_turn_only_when_asked(monkeypatch, ignore_eos):
     assert wave["tau"] == pytest.approx(2.0)
 
 
+def test_waves_sample_at_the_temperature_asked_and_greedy_by_default(monkeypatch):
+    import httpx
+
+    from dspark_ctl.bench_serve import run_wave
+
+    sent = []
+
+    def fake_post(url, json, timeout):
+        sent.append(json["sampling_params"])
+        meta = {"completion_tokens": 10, "spec_verify_ct": 5, "spec_cap_length": 3.0}
+        return httpx.Response(200, json={"meta_info": meta}, request=httpx.Request("POST", url))
+
+    monkeypatch.setattr(httpx, "post", fake_post)
+    run_wave("http://server", ["a"], 16)
+    run_wave("http://server", ["a"], 16, sampling={"temperature": 0.7, "top_p": 0.9})
+    assert sent[0]["temperature"] == 0.0
+    assert sent[1] == {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 16, "ignore_eos": True}
+
+
 def test_warmup_waves_run_at_each_concurrency_before_the_measured_ones_and_stay_out_of_them(tmp_path, monkeypatch):
     """A fresh DSPARK_LIVE server learns what drafting costs at a new batch size in its first steps
     there; the warm-up wave takes that lesson at the cell's own concurrency, unmeasured."""
@@ -187,7 +206,7 @@ def test_warmup_waves_run_at_each_concurrency_before_the_measured_ones_and_stay_
 
     sent = []
 
-    def fake_wave(url, texts, max_new_tokens, ignore_eos=True, concurrency=None):
+    def fake_wave(url, texts, max_new_tokens, ignore_eos=True, concurrency=None, sampling=None):
         sent.append((url, len(texts), max_new_tokens))
         return {"aggregate_tok_s": 1000.0 if len(sent) <= 6 else float(len(sent)), "per_user_tok_s": 1.0}
 

@@ -480,8 +480,9 @@ def _row_argmax_for(device) -> Callable[[torch.Tensor], torch.Tensor]:
 def _greedy_walk_for(drafter) -> GreedyWalk | None:
     """The one-call C++ walk for all-greedy batches on a CPU (0.5 against 2.1 ms for a 7-slot block
     at batch 1 here), or None: sampled batches, other devices, gated/RNN Markov heads, and (with a
-    warning) a CPU where the kernel cannot be built walk with `decoding.sample_block`."""
-    if not greedy_walk_fits(drafter):
+    warning) a CPU where the kernel cannot be built walk with `decoding.sample_block`; so does
+    every batch under `DSPARK_CPU_LAYER_OPS=torch`."""
+    if not greedy_walk_fits(drafter) or not layer_kernels_enabled():
         return None
     try:
         return GreedyWalk(drafter, head_panels=gemm_layout_mode() == "auto")
