@@ -286,6 +286,6 @@ def test_generate_is_lossless_end_to_end(peaked_target, case: str) -> None:
 
 
 def test_end_to_end_check_catches_a_broken_correction(peaked_target, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(verification, "_correction_distribution", lambda target_probs, draft_probs, rejected: target_probs)
+    monkeypatch.setattr(verification, "_final_distributions", lambda target_probs, rejected, draft_probs: target_probs)
     p_value, detail = first_two_p_value(peaked_target, E2E_CASES["T=1"])
     assert p_value < FALSE_ALARM_RATE, f"correction drawn from p_t went unnoticed: {detail}"

@@ -155,10 +155,12 @@ def test_walk_maps_a_reduced_draft_vocabulary_to_target_ids() -> None:
     block = sample_block(BigramDrafter(table, d2t, 7), torch.zeros(3, 2, 1), torch.tensor([0, 1, 6]),
                          SamplingParams.uniform(3, 1.0), torch.Generator().manual_seed(0))
     assert block.tokens.tolist() == [[5, 5]] * 3
-    assert block.probs.shape == (3, 2, 7)
+    assert block.probs.shape == (3, 2, 3) and block.probs_vocab.tolist() == [1, 4, 5], "kept in the draft vocabulary"
+    dense = block.dense_probs(torch.tensor([0, 2]), torch.tensor([1, 0]), 7)
     outside = torch.tensor([0, 2, 3, 6])
-    assert float(block.probs[..., outside].abs().max()) == 0.0
-    torch.testing.assert_close(block.probs.sum(-1), torch.ones(3, 2))
+    assert dense.shape == (2, 7) and float(dense[:, outside].abs().max()) == 0.0
+    torch.testing.assert_close(dense.sum(-1), torch.ones(2))
+    assert block.token_probs(torch.tensor([1]), torch.tensor([1])).item() == pytest.approx(1.0)
 
 
 # --- statistical losslessness --------------------------------------------------------------
@@ -237,22 +239,23 @@ def test_rejection_sampling_is_lossless(case: str) -> None:
     )
 
 
-def correction_from_target_only(target_probs, draft_probs, rejected):
+def correction_from_target_only(target_probs, rejected, draft_probs):
     """Broken: on rejection, resample from p_t instead of norm(max(0, p_t - p_d))."""
     return target_probs
 
 
-def bonus_from_draft(target_probs, draft_probs, rejected):
+def bonus_from_draft(target_probs, rejected, draft_probs):
     """Broken: after a fully accepted window, draw the bonus from p_d instead of p_t."""
-    residual = (target_probs - draft_probs).clamp_min(0.0)
+    every = draft_probs(torch.arange(len(target_probs)))
+    residual = (target_probs - every).clamp_min(0.0)
     residual = residual / residual.sum(-1, keepdim=True).clamp_min(1e-8)
-    return torch.where(rejected.unsqueeze(-1), residual, draft_probs)
+    return torch.where(rejected.unsqueeze(-1), residual, every)
 
 
 @pytest.mark.parametrize("broken_rule", [correction_from_target_only, bonus_from_draft])
 @pytest.mark.parametrize("case", ["T=1", "T=0.7,top_p=0.9"])
 def test_the_same_test_catches_a_broken_rule(monkeypatch: pytest.MonkeyPatch, broken_rule, case: str) -> None:
-    monkeypatch.setattr(verification, "_correction_distribution", broken_rule)
+    monkeypatch.setattr(verification, "_final_distributions", broken_rule)
     params_one, reduced = LOSSLESS_CASES[case]
     target, drafter = tables(reduced)
     counts = simulate(target, drafter, params_one, seed=5)

@@ -8,7 +8,7 @@ data generation and tests. Nothing here imports sglang.
 from sglang_dspark.decoding.drafting import sample_block
 from sglang_dspark.decoding.reference import GenerateOutput, RoundStats, generate
 from sglang_dspark.decoding.sampling import SamplingParams, logits_to_probs
-from sglang_dspark.decoding.verification import DraftBlock, VerifyResult, verify, verify_greedy
+from sglang_dspark.decoding.verification import DraftBlock, VerifyResult, verify, verify_greedy, verify_packed
 
 __all__ = [
     "DraftBlock",
@@ -21,4 +21,5 @@ __all__ = [
     "sample_block",
     "verify",
     "verify_greedy",
+    "verify_packed",
 ]

@@ -42,15 +42,13 @@ def sample_block(
     anchors: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None = None,
-    target_vocab_size: int | None = None,
 ) -> DraftBlock:
     """Walk the block ``hidden [B, gamma, d]`` from ``anchors [B]`` (target ids).
 
-    Returns drafts as target ids, their fp32 distributions scattered into the target vocabulary
-    (zero outside a reduced draft vocabulary; ``None`` if every row is greedy) and the
-    confidence logits. ``target_vocab_size`` is needed only when the drafter has a reduced
-    vocabulary (``d2t`` not None); it defaults to ``drafter.config.vocab_size``.
-    ``confidence_logits`` is ``None`` when the drafter has no confidence head.
+    Returns drafts as target ids, their fp32 distributions (``None`` if every row is greedy) over
+    the drafter's vocabulary, whose target ids are ``probs_vocab`` (the drafter's ``d2t``; None for
+    a full-vocabulary drafter), and the confidence logits (``None`` for a drafter without a
+    confidence head).
     """
     if hidden.dim() != 3 or anchors.shape != (hidden.shape[0],):
         raise ValueError(
@@ -60,8 +58,6 @@ def sample_block(
     batch, gamma, _ = hidden.shape
     d2t = drafter.d2t
     vocab_map = None if d2t is None else d2t.to(hidden.device)
-    if vocab_map is not None and target_vocab_size is None:
-        target_vocab_size = int(drafter.config.vocab_size)
     all_greedy = bool(params.greedy.all())
 
     base = drafter.base_logits(hidden)
@@ -79,21 +75,12 @@ def sample_block(
         else:
             slot_probs = logits_to_probs(logits, params)
             draft_ids = sample_from_probs(slot_probs, generator)
-            probs.append(_to_target_vocab(slot_probs, vocab_map, target_vocab_size))
+            probs.append(slot_probs)
         prev = draft_ids if vocab_map is None else vocab_map[draft_ids]
         tokens.append(prev)
     return DraftBlock(
         tokens=torch.stack(tokens, dim=1),
         probs=None if all_greedy else torch.stack(probs, dim=1),
         confidence_logits=torch.stack(confidences, dim=1) if confidences else None,
+        probs_vocab=None if all_greedy else vocab_map,
     )
-
-
-def _to_target_vocab(
-    probs: torch.Tensor, vocab_map: torch.Tensor | None, target_vocab_size: int | None
-) -> torch.Tensor:
-    """Scatter draft-vocabulary probabilities ``[B, V_draft]`` to ``[B, V_target]``."""
-    if vocab_map is None:
-        return probs
-    full = probs.new_zeros(probs.shape[0], target_vocab_size)
-    return full.index_copy_(1, vocab_map, probs)

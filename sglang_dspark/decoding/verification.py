@@ -18,6 +18,7 @@ pass; ragged verify lengths are a mask, not a loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,19 +37,41 @@ class DraftBlock:
     """One block of drafts per request.
 
     tokens: ``[B, gamma]`` target vocabulary ids, sampled left to right.
-    probs: ``[B, gamma, V_target]`` fp32, the distribution each draft was sampled from (zero
-        outside the draft vocabulary); ``None`` when every row is greedy.
+    probs: ``[B, gamma, V]`` fp32, the distribution each draft was sampled from; ``None`` when
+        every row is greedy. Its columns are the target vocabulary, or, with ``probs_vocab``,
+        the drafter's reduced vocabulary (zero mass outside it): kept so, a block at batch 16
+        holds 4,096 columns a slot instead of 49,152 (scattering them took ~10 ms a step).
     confidence_logits: ``[B, gamma]`` fp32 raw confidence-head logits (slot k conditioned on
         the sampled previous token); ``None`` for a drafter without a confidence head.
+    probs_vocab: ``[V]`` int64, strictly increasing target ids of the columns of ``probs``
+        (the drafter's ``d2t``), or ``None`` when ``probs`` spans the target vocabulary.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
     confidence_logits: torch.Tensor | None
+    probs_vocab: torch.Tensor | None = None
 
     @property
     def gamma(self) -> int:
         return self.tokens.shape[1]
+
+    def token_probs(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """p_d of the drafts at (rows[i], slots[i]): ``[n]``."""
+        tokens = self.tokens[rows, slots].to(self.probs.device)
+        probs = self.probs[rows, slots]
+        if self.probs_vocab is None:
+            return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        columns = torch.searchsorted(self.probs_vocab, tokens).clamp(max=self.probs_vocab.numel() - 1)
+        found = self.probs_vocab[columns] == tokens  # a token outside the draft vocabulary has p_d = 0
+        return torch.where(found, probs.gather(-1, columns.unsqueeze(-1)).squeeze(-1), 0.0)
+
+    def dense_probs(self, rows: torch.Tensor, slots: torch.Tensor, vocab: int) -> torch.Tensor:
+        """The draft distributions at (rows[i], slots[i]) over the target vocabulary: ``[n, vocab]``."""
+        probs = self.probs[rows, slots]
+        if self.probs_vocab is None:
+            return probs
+        return probs.new_zeros(probs.shape[0], vocab).index_copy_(1, self.probs_vocab, probs)
 
 
 @dataclass
@@ -78,38 +101,81 @@ def verify(
     kernel); it must agree with the logits in every verified slot.
     """
     batch, slots, vocab = _check_verify_inputs(draft, target_logits, verify_lens, params)
-    device = target_logits.device
-    num_drafts = slots - 1
-    drafts = draft.tokens[:, :num_drafts].to(device)
-    verify_lens = verify_lens.to(device=device, dtype=torch.long)
-    greedy = params.greedy.to(device)
-    if target_argmax is None:
-        target_argmax = target_logits.argmax(-1)
-    elif target_argmax.shape != (batch, slots):
+    if target_argmax is not None and target_argmax.shape != (batch, slots):
         raise ValueError(f"target_argmax has shape {tuple(target_argmax.shape)}; expected [{batch}, {slots}]")
-    target_argmax = target_argmax.to(device=device, dtype=torch.long)
+    verify_lens = verify_lens.to(device=target_logits.device, dtype=torch.long)
+    window = torch.arange(slots, device=target_logits.device).unsqueeze(0) <= verify_lens.unsqueeze(-1)
+    result = verify_packed(draft, target_logits[window], verify_lens, params, generator,
+                           None if target_argmax is None else target_argmax.to(target_logits.device)[window])
+    width = result.tokens.shape[1]
+    if width < slots:  # one column per logits slot, as the caller laid them out
+        result.tokens = torch.nn.functional.pad(result.tokens, (0, slots - width), value=NO_TOKEN)
+    return result
 
-    accepted = drafts == target_argmax[:, :num_drafts]
-    sampled = ~greedy
-    target_probs = None
-    if bool(sampled.any()):
-        target_probs = logits_to_probs(target_logits, params)
-        draft_probs = draft.probs[:, :num_drafts].to(device)
-        stochastic_accept = _rejection_accept(target_probs[:, :num_drafts], draft_probs, drafts, generator)
-        accepted = torch.where(sampled.unsqueeze(-1), stochastic_accept, accepted)
+
+def verify_packed(
+    draft: DraftBlock,
+    logits: torch.Tensor,
+    verify_lens: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    target_argmax: torch.Tensor | None = None,
+) -> VerifyResult:
+    """`verify` on the verify forward's own layout: ``logits [N, V]`` holds each row's
+    ``verify_lens[b] + 1`` slots one row after the other (N = sum), ``target_argmax [N]`` their
+    argmax if the caller has it. Only the rows of sampled requests become distributions: at batch
+    16 a padded ``[B, S, V]`` had ~2.5x the rows a planner verifies, each a 49,152-way softmax."""
+    batch, vocab = len(verify_lens), logits.shape[-1]
+    device = logits.device
+    verify_lens = verify_lens.to(device=device, dtype=torch.long)
+    window_lens = verify_lens + 1
+    if logits.dim() != 2 or logits.shape[0] != int(window_lens.sum()):
+        raise ValueError(f"verify_packed: logits {tuple(logits.shape)}, expected [{int(window_lens.sum())}, V] "
+                         f"(verify_lens + 1 rows per request)")
+    num_drafts = int(verify_lens.max()) if batch else 0
+    _check_draft(draft, batch, num_drafts + 1, vocab, params)
+    request, offset = _packed_positions(window_lens)
+    argmax = logits.argmax(-1) if target_argmax is None else target_argmax.to(device=device, dtype=torch.long)
+    drafts = draft.tokens[:, :num_drafts].to(device)
+    padded_argmax = torch.full((batch, num_drafts + 1), NO_TOKEN, dtype=torch.long, device=device)
+    padded_argmax[request, offset] = argmax
+    accepted = drafts == padded_argmax[:, :num_drafts]
+    sampled = ~params.greedy.to(device)
+    first_row = torch.cumsum(window_lens, 0) - window_lens
+    if bool(sampled.any()):  # their drafts are accepted with probability min(1, p_t / p_d)
+        in_sampled = sampled[request]
+        rows = in_sampled.nonzero().squeeze(-1)  # the packed rows of sampled requests, in order
+        rows_logits = logits if len(rows) == len(logits) else logits[rows]  # (a copy of 5 MB at batch 16)
+        target_probs = logits_to_probs(rows_logits.float(), params.to(device).select(request[rows]))
+        drafted = offset[rows] < verify_lens[request[rows]]  # rows whose slot holds a verified draft
+        b, k = request[rows][drafted], offset[rows][drafted]
+        p_target = target_probs[drafted.nonzero().squeeze(-1), drafts[b, k]]
+        p_draft = draft.token_probs(b.to(draft.probs.device), k.to(draft.probs.device)).to(device)
+        uniform = torch.rand(p_target.shape, generator=generator, device=device)
+        accepted[b, k] = uniform * p_draft < p_target  # no division: p_d = 0 accepts iff p_t > 0
     num_accepted = _accepted_prefix(accepted, verify_lens)
+    final_token = argmax[first_row + num_accepted]
+    if bool(sampled.any()):  # the correction (first rejection) or bonus token, from the target
+        which = sampled.nonzero().squeeze(-1)
+        probs_row = torch.cumsum(in_sampled, 0) - 1  # packed row -> its row of target_probs
+        last_slot = num_accepted[which]
 
-    rows = torch.arange(batch, device=device)
-    final_token = target_argmax[rows, num_accepted]
-    if target_probs is not None:
-        rejected = num_accepted < verify_lens
-        draft_slot = num_accepted.clamp(max=draft.gamma - 1)
-        correction = _correction_distribution(
-            target_probs[rows, num_accepted], draft.probs[rows, draft_slot].to(device), rejected
-        )
-        final_token = torch.where(sampled, sample_from_probs(correction, generator), final_token)
+        def draft_probs(index: torch.Tensor) -> torch.Tensor:
+            rows, slots = which[index], last_slot[index].clamp(max=draft.gamma - 1)
+            return draft.dense_probs(rows.to(draft.probs.device), slots.to(draft.probs.device), vocab).to(device)
 
-    return _committed_tokens(drafts, num_accepted, final_token, slots)
+        final = _final_distributions(target_probs[probs_row[first_row[which] + last_slot]],
+                                     last_slot < verify_lens[which], draft_probs)
+        final_token[which] = sample_from_probs(final, generator)
+    return _committed_tokens(drafts, num_accepted, final_token, num_drafts + 1)
+
+
+def _packed_positions(window_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each packed row's request and its slot in that request's window."""
+    ends = torch.cumsum(window_lens, 0)
+    rows = torch.arange(int(ends[-1]) if len(ends) else 0, device=window_lens.device)
+    request = torch.searchsorted(ends, rows, right=True)
+    return request, rows - (ends - window_lens)[request]
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor, verify_lens: torch.Tensor) -> VerifyResult:
@@ -151,32 +217,20 @@ def _committed_tokens(drafts: torch.Tensor, num_accepted: torch.Tensor, final_to
     return VerifyResult(num_accepted=num_accepted, tokens=tokens)
 
 
-def _rejection_accept(
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor,
-    drafts: torch.Tensor,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """``[B, n]`` bool: accept draft x with probability min(1, p_t(x) / p_d(x)).
-
-    Written as ``u * p_d < p_t`` so that no division is needed; a draft with ``p_d = 0`` (never
-    sampled that way) is accepted iff the target gives it mass.
-    """
-    index = drafts.unsqueeze(-1)
-    p_target = target_probs.gather(-1, index).squeeze(-1)
-    p_draft = draft_probs.gather(-1, index).squeeze(-1)
-    uniform = torch.rand(p_target.shape, generator=generator, device=p_target.device)
-    return uniform * p_draft < p_target
-
-
-def _correction_distribution(
-    target_probs: torch.Tensor, draft_probs: torch.Tensor, rejected: torch.Tensor
-) -> torch.Tensor:
-    """``[B, V]``: norm(max(0, p_t - p_d)) on rejected rows (p_t if empty), p_t elsewhere (bonus)."""
-    residual = (target_probs - draft_probs).clamp_min(0.0)
-    mass = residual.sum(-1, keepdim=True)
-    use_residual = rejected.unsqueeze(-1) & (mass > RESIDUAL_MASS_EPS)
-    return torch.where(use_residual, residual / mass.clamp_min(RESIDUAL_MASS_EPS), target_probs)
+def _final_distributions(target_probs: torch.Tensor, rejected: torch.Tensor,
+                         draft_probs: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``[n, V]``: what each row's last token is drawn from. A rejected row: the correction
+    norm(max(0, p_t - p_d)) at its first rejected slot (p_t where that has no mass, which only
+    numerics can cause); a fully accepted row: the bonus, p_t. ``target_probs`` (a copy the
+    caller made) gets the rejected rows in place; ``draft_probs(index)`` gives p_d of the rows at
+    ``index`` over the target vocabulary, asked for the rejected rows only (49,152 floats each)."""
+    rows = rejected.nonzero().squeeze(-1)
+    if rows.numel():
+        residual = (target_probs[rows] - draft_probs(rows)).clamp_min(0.0)
+        mass = residual.sum(-1, keepdim=True)
+        target_probs[rows] = torch.where(mass > RESIDUAL_MASS_EPS, residual / mass.clamp_min(RESIDUAL_MASS_EPS),
+                                         target_probs[rows])
+    return target_probs
 
 
 def _check_verify_inputs(
@@ -202,12 +256,26 @@ def _check_verify_inputs(
         raise ValueError(
             f"verify_lens must be in 0..{slots - 1} (target_logits slots - 1), got {verify_lens.tolist()}"
         )
-    if not bool(params.greedy.all()):
-        if draft.probs is None:
-            raise ValueError("rows with temperature > 0 need draft.probs (the draft distribution p_d)")
-        if draft.probs.shape[-1] != vocab:
-            raise ValueError(
-                f"draft.probs vocabulary {draft.probs.shape[-1]} != target vocabulary {vocab}; "
-                "map draft ids into the target vocabulary first (drafter.d2t)"
-            )
     return batch, slots, vocab
+
+
+def _check_draft(draft: DraftBlock, batch: int, slots: int, vocab: int, params: SamplingParams) -> None:
+    if draft.tokens.shape[0] != batch or params.batch_size != batch:
+        raise ValueError(f"batch sizes disagree: {batch} verify lengths, draft tokens {draft.tokens.shape[0]}, "
+                         f"params {params.batch_size}")
+    if not 1 <= slots <= draft.gamma + 1:
+        raise ValueError(f"{slots} slots verified; expected 1..gamma+1 = 1..{draft.gamma + 1} "
+                         "(the anchor's prediction plus one per verified draft)")
+    if bool(params.greedy.all()):
+        return
+    if draft.probs is None:
+        raise ValueError("rows with temperature > 0 need draft.probs (the draft distribution p_d)")
+    columns = vocab if draft.probs_vocab is None else draft.probs_vocab.numel()
+    if draft.probs.shape[-1] != columns:
+        raise ValueError(
+            f"draft.probs has {draft.probs.shape[-1]} columns, expected {columns} "
+            + ("(the target vocabulary; or give probs_vocab, the target id of each column)"
+               if draft.probs_vocab is None else "(one per probs_vocab id)"))
+    if draft.probs_vocab is not None and draft.probs_vocab.numel() and int(draft.probs_vocab.max()) >= vocab:
+        raise ValueError(f"draft.probs_vocab holds ids up to {int(draft.probs_vocab.max())}, "
+                         f"outside the target vocabulary of {vocab}")

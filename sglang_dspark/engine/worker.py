@@ -34,7 +34,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 
-from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block, verify, verify_greedy
+from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block, verify_greedy, verify_packed
 from sglang_dspark.engine import verify_attention
 from sglang_dspark.engine.planning import StepDecision, VerifyPlanner
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
@@ -269,14 +269,14 @@ class DSparkLiveWorker(BaseSpecWorker):
                 draft = self.greedy_walk(hidden, bonus)
             else:
                 draft = sample_block(self.drafter, hidden, bonus.to(self.device), params.to(self.device),
-                                     self.generator, target_vocab_size=self.vocab_size)
+                                     self.generator)
             times.walk, clock = _lap(clock)
             self.planner.draft_costs.add(batch_size, decision.draft_width, times.block, times.walk)
             plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision, greedy=params.greedy)
             times.plan, _ = _lap(clock)
             drafts = draft.tokens
         else:  # drafts would cost more than they return: this step is a plain decode step
-            draft = _empty_block(batch_size, self.vocab_size, sampled=not bool(params.greedy.all()))
+            draft = _empty_block(batch_size, sampled=not bool(params.greedy.all()))
             plan = self.planner.skipped(rids, seq_lens)
             drafts = draft.tokens[:, :0].to(self.device)
         drafted = time.perf_counter()
@@ -284,12 +284,12 @@ class DSparkLiveWorker(BaseSpecWorker):
         logits, taps, window_kv_slots = self._verify_forward(batch, slots, seq_lens, bonus, drafts, plan.verify_lens)
         verified = time.perf_counter()
         window_lens = plan.verify_lens + 1
-        target_argmax = _pad_rows(self.row_argmax(logits).cpu(), window_lens)
+        target_argmax = self.row_argmax(logits).cpu()
         if bool(params.greedy.all()):  # the logits are never copied or padded
-            outcome = verify_greedy(draft.tokens, target_argmax, plan.verify_lens)
-        else:
-            outcome = verify(draft, _pad_rows(logits.float().cpu(), window_lens), plan.verify_lens, params,
-                             self.verify_generator, target_argmax=target_argmax)
+            outcome = verify_greedy(draft.tokens, _pad_rows(target_argmax, window_lens), plan.verify_lens)
+        else:  # only sampled requests' rows become distributions
+            outcome = verify_packed(draft, logits.cpu(), plan.verify_lens, params, self.verify_generator,
+                                    target_argmax=target_argmax)
         accept_lens = outcome.num_accepted + 1
         new_seq_lens = seq_lens + accept_lens
         if decision.draft:
@@ -428,11 +428,13 @@ def _reshape_as_extend(forward_batch: ForwardBatch, seq_lens: torch.Tensor, wind
     forward_batch.seq_lens_sum = int(total.sum())
 
 
-def _empty_block(batch_size: int, vocab_size: int, sampled: bool) -> DraftBlock:
+def _empty_block(batch_size: int, sampled: bool) -> DraftBlock:
     """A stand-in block for a step that did not draft: one never-verified slot per request, so
-    `verify` samples every request's next token from the target alone."""
-    probs = torch.zeros((batch_size, 1, vocab_size)) if sampled else None
-    return DraftBlock(tokens=torch.zeros((batch_size, 1), dtype=torch.long), probs=probs, confidence_logits=None)
+    `verify_packed` samples every request's next token from the target alone (the draft
+    distribution, never read, spans no columns)."""
+    probs = torch.zeros((batch_size, 1, 0)) if sampled else None
+    return DraftBlock(tokens=torch.zeros((batch_size, 1), dtype=torch.long), probs=probs, confidence_logits=None,
+                      probs_vocab=torch.zeros(0, dtype=torch.long) if sampled else None)
 
 
 def _pad_rows(packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
