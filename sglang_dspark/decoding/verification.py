@@ -13,7 +13,9 @@ looking at the drafts it admits (the planner's non-anticipation). Per row b with
 
 Greedy rows (temperature 0) accept while the draft equals the target's argmax, and emit the
 target's argmax at the first mismatch (or at slot L). Every row is processed in one vectorised
-pass; ragged verify lengths are a mask, not a loop.
+pass; ragged verify lengths are a mask, not a loop. `verify_packed` takes the verify forward's
+own layout (each request's window rows one after the other) and turns only sampled requests'
+rows into target distributions; `verify` takes them padded to ``[B, S, V]``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ One decode step, for the whole batch:
 2. plan: how many drafts of each request to verify (`engine.planning`);
 3. verify: ONE target forward over every request's `[bonus, admitted drafts]` (ragged), run as
    `TARGET_VERIFY` so the logits processor keeps every row, and capturing the tapped layers;
-4. accept: greedy rows by argmax match, sampled rows by rejection sampling (`decoding.verify`);
+4. accept: greedy rows by argmax match, sampled rows by rejection sampling on the forward's packed
+   rows (`decoding.verify_greedy`, `decoding.verify_packed`);
 5. commit: the accepted tokens' taps are stored beside their KV slots (the tap store); KV of
    rejected drafts stays in the request's reserved slots and is overwritten by the next window.
    The drafter context catches up from the tap store only when a step drafts (`_catch_up`), so
@@ -439,7 +440,7 @@ def _empty_block(batch_size: int, sampled: bool) -> DraftBlock:
 
 def _pad_rows(packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """`[sum(lengths), ...]` -> `[B, max(lengths), ...]` (rows past a request's length are zeros):
-    the verify logits, or their argmax ids."""
+    the verify rows' argmax ids, as `verify_greedy` takes them."""
     width = int(lengths.max())
     if int(lengths.min()) == width:  # equal windows (always at batch 1): a view, no copy
         return packed.view(len(lengths), width, *packed.shape[1:])

@@ -1,9 +1,10 @@
 """`DraftContextCache`: the drafter's incremental cache of projected-context K/V.
 
 Each slot (a request) holds, per drafter layer, the K (after k_norm and RoPE) and V of its
-committed context positions `0..lengths[slot]-1`. Drafting a block reads them; block K/V are
-never written here, so nothing needs cropping after a block. After verification the caller
-appends the accepted positions' taps (`DSparkDrafter.append_context`).
+committed context positions `0..lengths[slot]-1`. Drafting a block reads them; nothing reads a
+row past `lengths[slot]`, so nothing needs cropping after a block (the served kernel path parks
+a block's own K/V there, `kernels_cpu.drafter_ops`, and the next append overwrites them). After
+verification the caller appends the accepted positions' taps (`DSparkDrafter.append_context`).
 """
 
 from __future__ import annotations
