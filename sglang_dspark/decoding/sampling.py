@@ -116,7 +116,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if bool(greedy.all()):
         return _one_hot_argmax(flat).reshape(logits.shape)
     temperature = torch.where(greedy, torch.ones_like(per_row(params.temperature)), per_row(params.temperature))
-    probs = torch.softmax(flat / temperature.unsqueeze(-1), dim=-1)
+    if bool((temperature != 1.0).any()):  # (a pass over every row's 49,152 logits otherwise)
+        flat = flat / temperature.unsqueeze(-1)
+    probs = torch.softmax(flat, dim=-1)
     probs = _filter_top_k_top_p(probs, per_row(params.top_k), per_row(params.top_p))
     if bool(greedy.any()):
         probs = torch.where(greedy.unsqueeze(-1), _one_hot_argmax(flat), probs)
@@ -187,7 +189,7 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) ->
     cumulative rounding far below any probability that matters. A zero-probability token can
     never be drawn: its CDF step is empty.
     """
-    cdf = probs.double().cumsum(-1)
+    cdf = probs.cumsum(-1, dtype=torch.float64)  # (no float64 copy of the rows first: 6 MB at batch 16)
     total = cdf[:, -1:]
     uniform = torch.rand(total.shape, generator=generator, device=probs.device, dtype=torch.float64)
     target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))

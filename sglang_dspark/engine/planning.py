@@ -206,6 +206,8 @@ class VerifyPlanner:
         True use the greedy calibration when there is one."""
         if self.greedy_calibration is None or greedy is None or not bool(greedy.any()):
             return self._calibrated(self.calibration, confidence_logits)
+        if bool(greedy.all()):  # (the usual batch: no row masks)
+            return self._calibrated(self.greedy_calibration, confidence_logits)
         survivals = torch.empty(confidence_logits.shape, dtype=torch.float32)
         survivals[greedy] = self._calibrated(self.greedy_calibration, confidence_logits[greedy])
         if not bool(greedy.all()):
