@@ -177,8 +177,10 @@ def simulate(
     drafter: BigramDrafter,
     params_one: tuple[float, float, int],
     seed: int,
+    sampler=None,
 ) -> torch.Tensor:
-    """Counts ``[V]*TOKENS_CHECKED`` of the first committed tokens over SAMPLES decodes."""
+    """Counts ``[V]*TOKENS_CHECKED`` of the first committed tokens over SAMPLES decodes (the
+    target's distributions served by `sampler` when given, see `verify_packed`)."""
     generator = torch.Generator().manual_seed(seed)
     params = SamplingParams.uniform(SAMPLES, *params_one)
     committed = torch.full((SAMPLES, TOKENS_CHECKED + GAMMA + 1), NO_TOKEN)
@@ -189,7 +191,7 @@ def simulate(
         block = sample_block(drafter, torch.zeros(SAMPLES, GAMMA, 1), anchors, params, generator)
         verify_lens = torch.randint(0, GAMMA + 1, (SAMPLES,), generator=generator)  # blind to drafts
         conditioning = torch.cat([anchors.unsqueeze(1), block.tokens], dim=1)
-        result = verify(block, target_table[conditioning], verify_lens, params, generator)
+        result = verify(block, target_table[conditioning], verify_lens, params, generator, sampler=sampler)
         new = result.num_accepted + 1
         slot = torch.arange(GAMMA + 1).unsqueeze(0)
         positions = (filled.unsqueeze(1) + slot).clamp(max=committed.shape[1] - 1)
@@ -261,3 +263,23 @@ def test_the_same_test_catches_a_broken_rule(monkeypatch: pytest.MonkeyPatch, br
     counts = simulate(target, drafter, params_one, seed=5)
     p_value = chi_square_p_value(counts, exact_joint(target, params_one))
     assert p_value < FALSE_ALARM_RATE, f"{broken_rule.__name__} went unnoticed (p={p_value:.3f})"
+
+
+@pytest.mark.parametrize("case", ["T=1", "T=0.7,reduced_draft_vocab"])
+def test_rejection_sampling_is_lossless_with_the_target_sampling_kernel(case: str) -> None:
+    """The served sampler (`kernels_cpu.target_sampling`) in place of the materialised softmax."""
+    from sglang_dspark.kernels_cpu.target_sampling import temperature_sampler
+
+    params_one, reduced = {"T=1": ((1.0, 1.0, 0), False), "T=0.7,reduced_draft_vocab": ((0.7, 1.0, 0), True)}[case]
+    target, drafter = tables(reduced)
+    used = []
+
+    def sampler(logits, rows, params):
+        used.append(temperature_sampler(logits, rows, params))
+        return used[-1]
+
+    counts = simulate(target, drafter, params_one, seed=7, sampler=sampler)
+    assert used and all(rows is not None for rows in used), "the kernel served every step"
+    expected = exact_joint(target, params_one)
+    p_value = chi_square_p_value(counts, expected)
+    assert p_value > FALSE_ALARM_RATE, f"{case}: chi-square p={p_value:.2e}, TV={total_variation(counts, expected):.4f}"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -92,6 +93,7 @@ def verify(
     params: SamplingParams,
     generator: torch.Generator | None = None,
     target_argmax: torch.Tensor | None = None,
+    sampler: TargetSampler | None = None,
 ) -> VerifyResult:
     """Accept a prefix of each row's drafts and sample the correction or bonus token.
 
@@ -101,6 +103,7 @@ def verify(
     row's ``verify_lens[b] + 1`` slots are ignored.
     ``target_argmax [B, S]``: ``target_logits.argmax(-1)`` if the caller already has it (a faster
     kernel); it must agree with the logits in every verified slot.
+    ``sampler``: see `verify_packed`.
     """
     batch, slots, vocab = _check_verify_inputs(draft, target_logits, verify_lens, params)
     if target_argmax is not None and target_argmax.shape != (batch, slots):
@@ -108,7 +111,7 @@ def verify(
     verify_lens = verify_lens.to(device=target_logits.device, dtype=torch.long)
     window = torch.arange(slots, device=target_logits.device).unsqueeze(0) <= verify_lens.unsqueeze(-1)
     result = verify_packed(draft, target_logits[window], verify_lens, params, generator,
-                           None if target_argmax is None else target_argmax.to(target_logits.device)[window])
+                           None if target_argmax is None else target_argmax.to(target_logits.device)[window], sampler)
     width = result.tokens.shape[1]
     if width < slots:  # one column per logits slot, as the caller laid them out
         result.tokens = torch.nn.functional.pad(result.tokens, (0, slots - width), value=NO_TOKEN)
@@ -122,11 +125,14 @@ def verify_packed(
     params: SamplingParams,
     generator: torch.Generator | None = None,
     target_argmax: torch.Tensor | None = None,
+    sampler: TargetSampler | None = None,
 ) -> VerifyResult:
     """`verify` on the verify forward's own layout: ``logits [N, V]`` holds each row's
     ``verify_lens[b] + 1`` slots one row after the other (N = sum), ``target_argmax [N]`` their
     argmax if the caller has it. Only the rows of sampled requests become distributions: at batch
-    16 a padded ``[B, S, V]`` had ~2.5x the rows a planner verifies, each a 49,152-way softmax."""
+    16 a padded ``[B, S, V]`` had ~2.5x the rows a planner verifies, each a 49,152-way softmax.
+    ``sampler(logits, rows, params)`` may serve those rows' distributions without materialising
+    them (a kernel); where it returns None, or without one, `TorchTargetRows` serves them."""
     batch, vocab = len(verify_lens), logits.shape[-1]
     device = logits.device
     verify_lens = verify_lens.to(device=device, dtype=torch.long)
@@ -147,11 +153,12 @@ def verify_packed(
     if bool(sampled.any()):  # their drafts are accepted with probability min(1, p_t / p_d)
         in_sampled = sampled[request]
         rows = in_sampled.nonzero().squeeze(-1)  # the packed rows of sampled requests, in order
-        rows_logits = logits if len(rows) == len(logits) else logits[rows]  # (a copy of 5 MB at batch 16)
-        target_probs = logits_to_probs(rows_logits.float(), params.to(device).select(request[rows]))
+        row_params = params.to(device).select(request[rows])
+        target = (sampler(logits, rows, row_params) if sampler is not None else None) \
+            or TorchTargetRows(logits, rows, row_params)
         drafted = offset[rows] < verify_lens[request[rows]]  # rows whose slot holds a verified draft
         b, k = request[rows][drafted], offset[rows][drafted]
-        p_target = target_probs[drafted.nonzero().squeeze(-1), drafts[b, k]]
+        p_target = target.probs_at(drafted.nonzero().squeeze(-1), drafts[b, k])
         p_draft = draft.token_probs(b.to(draft.probs.device), k.to(draft.probs.device)).to(device)
         uniform = torch.rand(p_target.shape, generator=generator, device=device)
         accepted[b, k] = uniform * p_draft < p_target  # no division: p_d = 0 accepts iff p_t > 0
@@ -159,16 +166,10 @@ def verify_packed(
     final_token = argmax[first_row + num_accepted]
     if bool(sampled.any()):  # the correction (first rejection) or bonus token, from the target
         which = sampled.nonzero().squeeze(-1)
-        probs_row = torch.cumsum(in_sampled, 0) - 1  # packed row -> its row of target_probs
+        target_row = torch.cumsum(in_sampled, 0) - 1  # packed row -> its row among the target's
         last_slot = num_accepted[which]
-
-        def draft_probs(index: torch.Tensor) -> torch.Tensor:
-            rows, slots = which[index], last_slot[index].clamp(max=draft.gamma - 1)
-            return draft.dense_probs(rows.to(draft.probs.device), slots.to(draft.probs.device), vocab).to(device)
-
-        final = _final_distributions(target_probs[probs_row[first_row[which] + last_slot]],
-                                     last_slot < verify_lens[which], draft_probs)
-        final_token[which] = sample_from_probs(final, generator)
+        final_token[which] = target.sample_final(target_row[first_row[which] + last_slot],
+                                                 last_slot < verify_lens[which], draft, which, last_slot, generator)
     return _committed_tokens(drafts, num_accepted, final_token, num_drafts + 1)
 
 
@@ -217,6 +218,45 @@ def _committed_tokens(drafts: torch.Tensor, num_accepted: torch.Tensor, final_to
     tokens[:, :num_drafts] = torch.where(keep, drafts, tokens[:, :num_drafts])
     tokens[torch.arange(batch, device=device), num_accepted] = final_token
     return VerifyResult(num_accepted=num_accepted, tokens=tokens)
+
+
+class TargetRows(Protocol):
+    """The target's sampling distributions of the verify rows of sampled requests, as
+    `verify_packed` reads them (row i: the i-th such row in packed order)."""
+
+    def probs_at(self, index: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """p_t of ``tokens[j]`` in row ``index[j]``: ``[n]``."""
+
+    def sample_final(self, index: torch.Tensor, rejected: torch.Tensor, draft: DraftBlock, requests: torch.Tensor,
+                     slots: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """Each request's last token, drawn in row ``index[j]``: where ``rejected[j]``, from the
+        correction norm(max(0, p_t - p_d)) with p_d the draft's at (``requests[j]``, ``slots[j]``)
+        (p_t if that has no mass), else from p_t (the bonus). ``[n]``."""
+
+
+TargetSampler = Callable[[torch.Tensor, torch.Tensor, SamplingParams], "TargetRows | None"]
+"""``sampler(logits [N, V], rows [n], params of those rows)``: their `TargetRows`, or None."""
+
+
+class TorchTargetRows:
+    """`TargetRows` materialised by `logits_to_probs` (any temperature, top-k, top-p)."""
+
+    def __init__(self, logits: torch.Tensor, rows: torch.Tensor, params: SamplingParams) -> None:
+        rows_logits = logits if len(rows) == len(logits) else logits[rows]  # (a copy of 5 MB at batch 16)
+        self.probs = logits_to_probs(rows_logits.float(), params)
+
+    def probs_at(self, index: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.probs[index, tokens]
+
+    def sample_final(self, index: torch.Tensor, rejected: torch.Tensor, draft: DraftBlock, requests: torch.Tensor,
+                     slots: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        vocab, device = self.probs.shape[-1], self.probs.device
+
+        def draft_probs(chosen: torch.Tensor) -> torch.Tensor:
+            at = requests[chosen].to(draft.probs.device), slots[chosen].clamp(max=draft.gamma - 1).to(draft.probs.device)
+            return draft.dense_probs(*at, vocab).to(device)
+
+        return sample_from_probs(_final_distributions(self.probs[index], rejected, draft_probs), generator)
 
 
 def _final_distributions(target_probs: torch.Tensor, rejected: torch.Tensor,

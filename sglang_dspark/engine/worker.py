@@ -36,6 +36,7 @@ from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 
 from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block, verify_greedy, verify_packed
+from sglang_dspark.decoding.verification import TargetSampler
 from sglang_dspark.engine import verify_attention
 from sglang_dspark.engine.planning import StepDecision, VerifyPlanner
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
@@ -47,6 +48,7 @@ from sglang_dspark.kernels_cpu.layer_hooks import kernels_enabled as layer_kerne
 from sglang_dspark.kernels_cpu.layer_ops import load_layer_ops, row_argmax
 from sglang_dspark.kernels_cpu.gemm_layout import add_linear_panels, gemm_layout_mode, relayout_linears
 from sglang_dspark.kernels_cpu.panel_gemm import PanelKernelUnavailable
+from sglang_dspark.kernels_cpu.target_sampling import load_target_sampling, temperature_sampler
 from sglang_dspark.model import DraftContextCache, TargetWeights, load_drafter
 from sglang_dspark.model.cache import packed_rows
 from sglang_dspark.runtime import cpu_has_native_bf16
@@ -106,6 +108,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         self.vocab_size = self.model_runner.model_config.vocab_size
         self.row_argmax = _row_argmax_for(self.device)
         self.greedy_walk = _greedy_walk_for(self.drafter)
+        self.target_sampler = _target_sampler_for(self.device)
         self._step = 0
         _ACTIVE_WORKER = self
         logger.info(
@@ -290,7 +293,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             outcome = verify_greedy(draft.tokens, _pad_rows(target_argmax, window_lens), plan.verify_lens)
         else:  # only sampled requests' rows become distributions
             outcome = verify_packed(draft, logits.cpu(), plan.verify_lens, params, self.verify_generator,
-                                    target_argmax=target_argmax)
+                                    target_argmax=target_argmax, sampler=self.target_sampler)
         accept_lens = outcome.num_accepted + 1
         new_seq_lens = seq_lens + accept_lens
         if decision.draft:
@@ -492,6 +495,20 @@ def _greedy_walk_for(drafter) -> GreedyWalk | None:
     except KernelUnavailable as error:
         logger.warning("DSPARK_LIVE: greedy blocks walk in torch (no C++ walk: %s)", error)
         return None
+
+
+def _target_sampler_for(device) -> TargetSampler | None:
+    """The C++ target sampling for temperature-only requests on a CPU (a batch-16 step's sampled
+    acceptance without 49,152-way softmaxes of every verify row), or None (torch's): other devices,
+    `DSPARK_CPU_LAYER_OPS=torch`, or (with a warning) a CPU where the kernel cannot be built."""
+    if torch.device(device).type != "cpu" or not layer_kernels_enabled():
+        return None
+    try:
+        load_target_sampling()
+    except KernelUnavailable as error:
+        logger.warning("DSPARK_LIVE: sampled acceptance materialises the target's softmax (no kernel: %s)", error)
+        return None
+    return temperature_sampler
 
 
 def _committed_rows(window_lens: torch.Tensor, accept_lens: torch.Tensor) -> torch.Tensor:

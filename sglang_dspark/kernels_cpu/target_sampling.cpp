@@ -1,0 +1,168 @@
+// The target's temperature-only sampling distributions of verify rows, never materialised.
+//
+// For a row of float32 logits l and inverse temperature s: e_j = exp((l_j - m) s) with m = max l
+// (0 where l_j = -inf or the exponent is below -87), Z = the sum of e, p_j = e_j * (1 / Z). Every
+// function computes e_j with the same 16-lane code, so the probability read for acceptance is the
+// one the sampler draws from. Z sums each 16-column chunk in a fixed order (float32), then the
+// chunks in order (float64); sampling walks the same chunk sums to the chunk holding u * Z and then
+// that chunk's columns in order (the last column with mass if rounding leaves u * Z past them).
+#include <immintrin.h>
+#include <stdint.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+
+// e^x for x <= 0: Cephes expf's polynomial (as in paged_attention.cpp), within 2 ulp of expf.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3333452107e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+inline __mmask16 lanes_of(int64_t cols, int64_t start) {
+  const int64_t left = cols - start;
+  return left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// e of the chunk starting at `start` (lanes past the row are 0).
+inline __m512 chunk_e(const float* row, int64_t cols, int64_t start, float max, float scale) {
+  const __mmask16 mask = lanes_of(cols, start);
+  const __m512 logits = _mm512_maskz_loadu_ps(mask, row + start);
+  const __m512 x = _mm512_mul_ps(_mm512_sub_ps(logits, _mm512_set1_ps(max)), _mm512_set1_ps(scale));
+  const __mmask16 live = mask & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  return _mm512_maskz_mov_ps(live, exp_nonpositive(x));
+}
+
+float row_max(const float* row, int64_t cols) {
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < cols; j += kLanes) {
+    const __mmask16 mask = lanes_of(cols, j);
+    best = _mm512_mask_max_ps(best, mask, best, _mm512_maskz_loadu_ps(mask, row + j));
+  }
+  return _mm512_reduce_max_ps(best);
+}
+
+double row_total(const float* row, int64_t cols, float max, float scale) {
+  double total = 0.0;
+  for (int64_t j = 0; j < cols; j += kLanes) total += _mm512_reduce_add_ps(chunk_e(row, cols, j, max, scale));
+  return total;
+}
+
+// The column where the running sum of `values` (one chunk at a time, from `chunk_sum`) passes
+// `target`: the inverse CDF. `values(j)` gives the chunk at j as 16 lanes.
+template <typename Chunk>
+int64_t inverse_cdf(int64_t cols, double target, Chunk values) {
+  double before = 0.0;
+  int64_t last_with_mass = 0;
+  for (int64_t j = 0; j < cols; j += kLanes) {
+    const __m512 chunk = values(j);
+    const double sum = _mm512_reduce_add_ps(chunk);
+    if (sum > 0.0) {
+      alignas(64) float lanes[kLanes];
+      _mm512_store_ps(lanes, chunk);
+      if (before + sum > target) {
+        double running = before;
+        for (int i = 0; i < kLanes && j + i < cols; ++i) {
+          running += lanes[i];
+          if (lanes[i] > 0.0f) last_with_mass = j + i;
+          if (running > target) return j + i;
+        }
+        return last_with_mass;  // rounding: the lanes summed in order fell short of the chunk sum
+      }
+      for (int i = kLanes - 1; i >= 0; --i)
+        if (lanes[i] > 0.0f && j + i < cols) {
+          last_with_mass = j + i;
+          break;
+        }
+    }
+    before += sum;
+  }
+  return last_with_mass;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Per row i of `rows` (indices into logits [*, cols] with row stride `stride`): its max and Z.
+void dspark_softmax_rows(const float* logits, int64_t stride, int64_t cols, const int64_t* rows, int64_t n,
+                         const float* scale, float* maxima, double* totals, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (n * cols >= (int64_t(1) << 18))
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = logits + rows[i] * stride;
+    maxima[i] = row_max(row, cols);
+    totals[i] = row_total(row, cols, maxima[i], scale[i]);
+  }
+}
+
+// p_j of column columns[k] in the row of prepared row at[k] (an index into the prepared rows).
+void dspark_softmax_at(const float* logits, int64_t stride, int64_t cols, const int64_t* rows, const float* scale,
+                       const float* maxima, const double* totals, const int64_t* at, const int64_t* columns,
+                       int64_t n, float* out) {
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t i = at[k], column = columns[k];
+    const int64_t start = column - column % kLanes;
+    alignas(64) float lanes[kLanes];
+    _mm512_store_ps(lanes, chunk_e(logits + rows[i] * stride, cols, start, maxima[i], scale[i]));
+    out[k] = lanes[column - start] * static_cast<float>(1.0 / totals[i]);
+  }
+}
+
+// One token per prepared row at[k], from p (u: uniforms in [0, 1)).
+void dspark_sample_softmax(const float* logits, int64_t stride, int64_t cols, const int64_t* rows, const float* scale,
+                           const float* maxima, const double* totals, const int64_t* at, const double* uniforms,
+                           int64_t n, int64_t* out) {
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t i = at[k];
+    const float* row = logits + rows[i] * stride;
+    out[k] = inverse_cdf(cols, uniforms[k] * totals[i],
+                         [&](int64_t j) { return chunk_e(row, cols, j, maxima[i], scale[i]); });
+  }
+}
+
+// One token per prepared row at[k] from the residual norm(max(0, p - q_k)), q_k the draft's
+// distribution: draft_values[k, :] at the sorted target columns draft_columns (zero elsewhere).
+// Where the residual has no mass above `eps` (only rounding can do that), from p.
+void dspark_sample_residual(const float* logits, int64_t stride, int64_t cols, const int64_t* rows, const float* scale,
+                            const float* maxima, const double* totals, const int64_t* at, const double* uniforms,
+                            int64_t n, const int64_t* draft_columns, int64_t draft_count, const float* draft_values,
+                            int64_t draft_stride, double eps, int64_t* out) {
+  std::vector<float> draft(cols + kLanes, 0.0f);
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t i = at[k];
+    const float* row = logits + rows[i] * stride;
+    const float inverse_total = static_cast<float>(1.0 / totals[i]);
+    for (int64_t d = 0; d < draft_count; ++d) draft[draft_columns[d]] = draft_values[k * draft_stride + d];
+    auto residual = [&](int64_t j) {
+      const __m512 p = _mm512_mul_ps(chunk_e(row, cols, j, maxima[i], scale[i]), _mm512_set1_ps(inverse_total));
+      const __m512 q = _mm512_maskz_loadu_ps(lanes_of(cols, j), draft.data() + j);
+      return _mm512_max_ps(_mm512_sub_ps(p, q), _mm512_setzero_ps());
+    };
+    double mass = 0.0;
+    for (int64_t j = 0; j < cols; j += kLanes) mass += _mm512_reduce_add_ps(residual(j));
+    if (mass > eps) {
+      out[k] = inverse_cdf(cols, uniforms[k] * mass, residual);
+    } else {
+      out[k] = inverse_cdf(cols, uniforms[k] * totals[i],
+                           [&](int64_t j) { return chunk_e(row, cols, j, maxima[i], scale[i]); });
+    }
+    for (int64_t d = 0; d < draft_count; ++d) draft[draft_columns[d]] = 0.0f;
+  }
+}
+}
