@@ -10,7 +10,8 @@ per step make the last request of a wave finish later than it does without specu
 Reported per cell (medians over waves): aggregate output tokens/s, per-user tokens/s, tau
 (committed tokens per verify step, bonus included) and verify tokens per request-step.
 `--verify-cost` also measures the DSPARK_LIVE verify step at two context lengths from the
-worker's step log. Prints JSON; `--plot` writes a PNG of throughput against concurrency.
+worker's step log. Requests are greedy unless `--temperature` (and `--top-p`) say otherwise.
+Prints JSON; `--plot` writes a PNG of throughput against concurrency.
 """
 
 from __future__ import annotations

@@ -210,8 +210,7 @@ class VerifyPlanner:
             return self._calibrated(self.greedy_calibration, confidence_logits)
         survivals = torch.empty(confidence_logits.shape, dtype=torch.float32)
         survivals[greedy] = self._calibrated(self.greedy_calibration, confidence_logits[greedy])
-        if not bool(greedy.all()):
-            survivals[~greedy] = self._calibrated(self.calibration, confidence_logits[~greedy])
+        survivals[~greedy] = self._calibrated(self.calibration, confidence_logits[~greedy])
         return survivals
 
     @staticmethod

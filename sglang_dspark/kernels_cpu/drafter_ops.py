@@ -1,12 +1,12 @@
-"""The served drafter's RMSNorms, and its q/k norm + RoPE, as one `layer_ops` call each.
+"""The served drafter's small operations as kernel calls: RMSNorms and q/k norm + RoPE one
+`layer_ops` call each, and a block's attention over the context cache read in place.
 
 `model.layers.RMSNorm` is 6 torch ops and `apply_rotary` 6 more. A drafted step with the one-layer
 drafter ran ~50 of them: the catch-up's context norm and key norm + RoPE, the block layer's four
 norms and its q and k RoPE, the final norm. Each costs more right after the target's forward has
 emptied the caches. The kernels read a row once and round once (float32 inside, as the torch
 norm computes), so the drafts may differ from the torch path's in the last bit of a bfloat16
-value: the drafter needs no bit-exactness (the target verifies every draft).
-"""
+value: the drafter needs no bit-exactness (the target verifies every draft)."""
 
 from __future__ import annotations
 
