@@ -1,4 +1,5 @@
-"""The one-call C++ greedy walk drafts what `decoding.sample_block` drafts for greedy rows."""
+"""The one-call C++ walk drafts what `decoding.sample_block` drafts: the same greedy drafts, and
+sampled drafts from the distributions it reports."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from sglang_dspark.decoding import SamplingParams, sample_block
-from sglang_dspark.kernels_cpu.draft_walk import GreedyWalk, greedy_walk_fits
+from sglang_dspark.kernels_cpu.draft_walk import KernelWalk, kernel_walk_fits
 from sglang_dspark.kernels_cpu.gemm_layout import add_linear_panels, relayout_linears
 from tiny import make_tiny_drafter, make_tiny_target
 
@@ -36,12 +37,12 @@ def test_the_greedy_walk_drafts_what_sample_block_drafts(dtype, name, served_lay
     generator = torch.Generator().manual_seed(3)
     block = torch.randn(9, 7, 64, generator=generator).to(dtype)
     anchors = torch.randint(0, 512, (9,), generator=generator)
-    walk = GreedyWalk(drafter, head_panels=served_layout)
+    walk = KernelWalk(drafter, head_panels=served_layout)
     with torch.inference_mode():
         for width in (7, 2):  # the worker walks the first `width` slots of a block: a strided view
             hidden = block[:, :width]
             want = sample_block(drafter, hidden, anchors, SamplingParams.uniform(9, temperature=0.0))
-            got = walk(hidden, anchors)
+            got = walk.greedy(hidden, anchors)
             assert torch.equal(got.tokens, want.tokens), f"width {width}"
             assert got.probs is None
             if want.confidence_logits is None:
@@ -54,9 +55,44 @@ def test_the_greedy_walk_drafts_what_sample_block_drafts(dtype, name, served_lay
 
 def test_a_drafter_the_kernel_cannot_walk_is_refused_with_the_reason():
     gated = make_tiny_drafter(make_tiny_target(), markov_head_type="gated")
-    assert not greedy_walk_fits(gated)
+    assert not kernel_walk_fits(gated)
     with pytest.raises(ValueError, match="vanilla Markov head"):
-        GreedyWalk(gated)
+        KernelWalk(gated)
     drafter = make_tiny_drafter(make_tiny_target())
     with pytest.raises(ValueError, match=r"expected \[B, W, d\]"):
-        GreedyWalk(drafter)(torch.zeros(2, 4, 64, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.long))
+        KernelWalk(drafter).greedy(torch.zeros(2, 4, 64, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["dspark, reduced vocabulary", "dflash twin (no heads)"])
+def test_the_sampled_walk_reports_the_torch_walks_first_slot_distribution(dtype, name):
+    """Slot 0 reads only the anchor, so its distribution is comparable with `sample_block`'s."""
+    drafter = _drafter(dtype, DRAFTERS[name], served_layout=True)
+    block = torch.randn(6, 7, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    anchors = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(5))
+    temperatures = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.5, 2.0])
+    params = SamplingParams(temperature=temperatures, top_p=torch.ones(6), top_k=torch.zeros(6, dtype=torch.long))
+    with torch.inference_mode():
+        want = sample_block(drafter, block, anchors, params, torch.Generator().manual_seed(0))
+        got = KernelWalk(drafter).sampled(block, anchors, temperatures, torch.Generator().manual_seed(0))
+    assert got.probs.shape == want.probs.shape and got.tokens.shape == (6, 7)
+    if drafter.d2t is not None:
+        assert torch.equal(got.probs_vocab, drafter.d2t)
+    torch.testing.assert_close(got.probs[:, 0], want.probs[:, 0], rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(got.probs.sum(-1), torch.ones(6, 7), rtol=1e-4, atol=1e-4)
+    assert bool((got.token_probs(torch.arange(6).repeat_interleave(7), torch.arange(7).repeat(6)) > 0).all()), \
+        "every draft has mass in the distribution reported for it"
+
+
+def test_sampled_drafts_follow_the_distribution_the_walk_reports():
+    from decoding_stats import FALSE_ALARM_RATE, chi_square_p_value
+
+    drafter = _drafter(torch.float32, dict(draft_vocab_size=24), served_layout=False)
+    rows = 20_000
+    hidden = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(6)).expand(rows, 1, 64).contiguous()
+    anchors = torch.full((rows,), 7)
+    with torch.inference_mode():
+        block = KernelWalk(drafter).sampled(hidden, anchors, torch.full((rows,), 1.5), torch.Generator().manual_seed(1))
+    columns = torch.searchsorted(block.probs_vocab, block.tokens[:, 0])
+    counts = torch.bincount(columns, minlength=24)
+    assert chi_square_p_value(counts, block.probs[0, 0].double()) > FALSE_ALARM_RATE

@@ -42,7 +42,7 @@ from sglang_dspark.engine.planning import StepDecision, VerifyPlanner
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
 from sglang_dspark.engine.settings import load_settings
 from sglang_dspark.kernels_cpu.build import KernelUnavailable
-from sglang_dspark.kernels_cpu.draft_walk import GreedyWalk, greedy_walk_fits
+from sglang_dspark.kernels_cpu.draft_walk import KernelWalk, kernel_walk_fits
 from sglang_dspark.kernels_cpu.drafter_ops import add_drafter_kernels
 from sglang_dspark.kernels_cpu.layer_hooks import kernels_enabled as layer_kernels_enabled
 from sglang_dspark.kernels_cpu.layer_ops import load_layer_ops, row_argmax
@@ -107,7 +107,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         self._slot_owner: dict[int, str] = {}
         self.vocab_size = self.model_runner.model_config.vocab_size
         self.row_argmax = _row_argmax_for(self.device)
-        self.greedy_walk = _greedy_walk_for(self.drafter)
+        self.kernel_walk = _kernel_walk_for(self.drafter)
         self.target_sampler = _target_sampler_for(self.device)
         self._step = 0
         _ACTIVE_WORKER = self
@@ -269,8 +269,10 @@ class DSparkLiveWorker(BaseSpecWorker):
             self.planner.draft_costs.add_catch_up(caught_up, times.catch_up)
             hidden = self.drafter.forward_block(self.context, slots, bonus)[:, : decision.draft_width]
             times.block, clock = _lap(clock)
-            if self.greedy_walk is not None and bool(params.greedy.all()):
-                draft = self.greedy_walk(hidden, bonus)
+            if self.kernel_walk is not None and bool(params.greedy.all()):
+                draft = self.kernel_walk.greedy(hidden, bonus)
+            elif self.kernel_walk is not None and _temperature_only(params):
+                draft = self.kernel_walk.sampled(hidden, bonus, params.temperature, self.generator)
             else:
                 draft = sample_block(self.drafter, hidden, bonus.to(self.device), params.to(self.device),
                                      self.generator)
@@ -483,18 +485,23 @@ def _row_argmax_for(device) -> Callable[[torch.Tensor], torch.Tensor]:
     return row_argmax
 
 
-def _greedy_walk_for(drafter) -> GreedyWalk | None:
-    """The one-call C++ walk for all-greedy batches on a CPU (0.5 against 2.1 ms for a 7-slot block
-    at batch 1 here), or None: sampled batches, other devices, gated/RNN Markov heads, and (with a
-    warning) a CPU where the kernel cannot be built walk with `decoding.sample_block`; so does
-    every batch under `DSPARK_CPU_LAYER_OPS=torch`."""
-    if not greedy_walk_fits(drafter) or not layer_kernels_enabled():
+def _kernel_walk_for(drafter) -> KernelWalk | None:
+    """The one-call C++ walk on a CPU (greedy: 0.5 against 2.1 ms for a 7-slot block at batch 1
+    here), or None: other devices, gated/RNN Markov heads, `DSPARK_CPU_LAYER_OPS=torch`, and (with
+    a warning) a CPU where the kernel cannot be built walk with `decoding.sample_block`, as do
+    batches with top-k/top-p or mixed greedy and sampled requests."""
+    if not kernel_walk_fits(drafter) or not layer_kernels_enabled():
         return None
     try:
-        return GreedyWalk(drafter, head_panels=gemm_layout_mode() == "auto")
+        return KernelWalk(drafter, head_panels=gemm_layout_mode() == "auto")
     except KernelUnavailable as error:
-        logger.warning("DSPARK_LIVE: greedy blocks walk in torch (no C++ walk: %s)", error)
+        logger.warning("DSPARK_LIVE: blocks walk in torch (no C++ walk: %s)", error)
         return None
+
+
+def _temperature_only(params: SamplingParams) -> bool:
+    """Every request samples at a temperature, with no top-k and no top-p."""
+    return not bool(params.greedy.any()) and not bool((params.top_k > 0).any()) and not bool((params.top_p < 1.0).any())
 
 
 def _target_sampler_for(device) -> TargetSampler | None:

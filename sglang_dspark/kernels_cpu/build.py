@@ -1,10 +1,11 @@
 """Compile and load this package's C++ CPU kernels (`*.cpp` beside this file) on first use.
 
 Each kernel is built with `g++ -O3 -march=native -fopenmp` (or `$CXX`) into
-`$DSPARK_CACHE/kernels/<name>-<hash>.so`, where the hash covers the source and the CPU's feature
-flags (`-march=native` code only depends on the CPU), then loaded with ctypes. The libraries link
-libgomp, which resolves to the copy torch already loaded, so the kernels share torch's OpenMP
-threads. Builds are atomic renames: servers that start together may both build, never half-read.
+`$DSPARK_CACHE/kernels/<name>-<hash>.so`, where the hash covers the source, the headers beside
+it and the CPU's feature flags (`-march=native` code only depends on the CPU), then loaded with
+ctypes. The libraries link libgomp, which resolves to the copy torch already loaded, so the
+kernels share torch's OpenMP threads. Builds are atomic renames: servers that start together may
+both build, never half-read.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def load_library(source: Path, signatures: dict[str, list] | None = None) -> cty
     The kernels use AVX-512F intrinsics, so a CPU without them gets the reason, not a crash."""
     if platform.machine() not in ("x86_64", "AMD64") or "avx512f" not in cpu_flags():
         raise KernelUnavailable("the CPU lacks AVX-512F")
-    key = hashlib.sha256(source.read_bytes() + str(sorted(cpu_flags())).encode())
+    headers = b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))  # what it includes
+    key = hashlib.sha256(source.read_bytes() + headers + str(sorted(cpu_flags())).encode())
     library = cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not library.exists():
         _build(source, library)

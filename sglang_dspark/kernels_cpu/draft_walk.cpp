@@ -8,11 +8,18 @@
 // which is what decoding.sample_block computes for greedy rows with ~12 torch ops a slot. The sums
 // are float32; where the drafter is bfloat16 the bias and the confidence are rounded to bfloat16
 // once, as torch's bfloat16 linear rounds its output, so the drafts are torch's.
+//
+// The sampled walk draws x_k from softmax(scores * scale) instead (scale = 1 / temperature, one
+// uniform per slot, an inverse CDF over 16-column chunks) and writes that distribution, which
+// rejection sampling needs as p_d.
+#include <immintrin.h>
 #include <stdint.h>
 
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#include "simd_math.h"
 
 namespace {
 
@@ -51,54 +58,129 @@ struct Walk {
   int64_t rows, width, draft_vocab;
   int64_t* tokens;  // [rows, width] target ids
   float* confidences;  // [rows, width], or null
+  const float* scale;  // sampled walk: 1 / temperature per row; null: greedy
+  const double* uniforms;  // sampled walk: [rows, width] in [0, 1)
+  float* probs;  // sampled walk: [rows, width, draft_vocab], each draft's distribution
 };
 
+// scores[j] = base[b, k, j] + the Markov bias given prev; writes slot k's confidence.
 template <typename T>
-void walk_row(const Walk& w, int64_t b, float* bias, float* embedding, bool bf16) {
-  const T* base = static_cast<const T*>(w.base);
-  const T* hidden = static_cast<const T*>(w.hidden);
+void slot_scores(const Walk& w, int64_t b, int64_t k, int64_t prev, float* embedding, float* scores, bool bf16) {
   const T* w1 = static_cast<const T*>(w.w1);
   const T* w2 = static_cast<const T*>(w.w2);
   const T* proj = static_cast<const T*>(w.proj);
+  if (w1 != nullptr)
+    for (int64_t r = 0; r < w.rank; ++r) embedding[r] = load(w1, prev * w.rank + r);
+  const T* h = static_cast<const T*>(w.hidden) + b * w.hidden_row_stride + k * w.hidden_slot_stride;
+  if (proj != nullptr) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < w.hidden_size; ++i) sum += load(h, i) * load(proj, i);
+    if (w.proj_reads_markov)
+      for (int64_t r = 0; r < w.rank; ++r) sum += embedding[r] * load(proj, w.hidden_size + r);
+    sum += w.proj_bias;
+    w.confidences[b * w.width + k] = bf16 ? round_bf16(sum) : sum;
+  }
+  for (int64_t j = 0; j < w.draft_vocab; ++j) scores[j] = 0.0f;
+  if (w1 != nullptr) {
+    for (int64_t r = 0; r < w.rank; ++r) {
+      const float e = embedding[r];
+      const T* column = w2 + r * w.w2_rank_stride;
+      if (w.w2_vocab_stride == 1) {
+        for (int64_t j = 0; j < w.draft_vocab; ++j) scores[j] += load(column, j) * e;
+      } else {
+        for (int64_t j = 0; j < w.draft_vocab; ++j) scores[j] += load(column, j * w.w2_vocab_stride) * e;
+      }
+    }
+    if (bf16)
+      for (int64_t j = 0; j < w.draft_vocab; ++j) scores[j] = round_bf16(scores[j]);
+  }
+  const T* logits = static_cast<const T*>(w.base) + b * w.base_row_stride + k * w.base_slot_stride;
+  for (int64_t j = 0; j < w.draft_vocab; ++j) scores[j] += load(logits, j);
+}
+
+// The first maximum (a NaN wins, as in torch).
+int64_t argmax_scores(const float* scores, int64_t n) {
+  int64_t best = 0;
+  for (int64_t j = 1; j < n && !std::isnan(scores[best]); ++j)
+    if (scores[j] > scores[best] || std::isnan(scores[j])) best = j;
+  return best;
+}
+
+inline __mmask16 lanes_of(int64_t n, int64_t start) {
+  const int64_t left = n - start;
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// A draw from softmax(scores * scale) with uniform u; that distribution goes to probs[0, n).
+int64_t sample_scores(const float* scores, int64_t n, float scale, double u, float* probs) {
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 mask = lanes_of(n, j);
+    best = _mm512_mask_max_ps(best, mask, best, _mm512_maskz_loadu_ps(mask, scores + j));
+  }
+  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+  double total = 0.0;  // e_j = exp((s_j - max) scale), 0 below e^-87; chunk sums in a fixed order
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 mask = lanes_of(n, j);
+    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + j), max), _mm512_set1_ps(scale));
+    const __m512 e = _mm512_maskz_mov_ps(mask & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ),
+                                         exp_nonpositive(x));
+    _mm512_mask_storeu_ps(probs + j, mask, e);
+    total += _mm512_reduce_add_ps(e);
+  }
+  const double target = u * total;
+  double before = 0.0;
+  int64_t chosen = -1, last_with_mass = 0;
+  for (int64_t j = 0; j < n && chosen < 0; j += 16) {
+    const __m512 e = _mm512_maskz_loadu_ps(lanes_of(n, j), probs + j);
+    const double sum = _mm512_reduce_add_ps(e);
+    if (sum <= 0.0) continue;
+    if (before + sum > target) {  // this chunk: its columns in order
+      double running = before;
+      for (int64_t i = j; i < j + 16 && i < n && chosen < 0; ++i) {
+        running += probs[i];
+        if (probs[i] > 0.0f) last_with_mass = i;
+        if (running > target) chosen = i;
+      }
+      if (chosen < 0) chosen = last_with_mass;  // rounding: the columns summed in order fell short
+    } else {
+      for (int64_t i = j; i < j + 16 && i < n; ++i)
+        if (probs[i] > 0.0f) last_with_mass = i;
+      before += sum;
+    }
+  }
+  if (chosen < 0) chosen = last_with_mass;
+  const float inverse = static_cast<float>(1.0 / total);
+  for (int64_t j = 0; j < n; ++j) probs[j] *= inverse;
+  return chosen;
+}
+
+template <typename T>
+void walk_row(const Walk& w, int64_t b, float* scores, float* embedding, bool bf16) {
   int64_t prev = w.anchors[b];
   for (int64_t k = 0; k < w.width; ++k) {
-    if (w1 != nullptr)
-      for (int64_t r = 0; r < w.rank; ++r) embedding[r] = load(w1, prev * w.rank + r);
-    const T* h = hidden + b * w.hidden_row_stride + k * w.hidden_slot_stride;
-    if (proj != nullptr) {
-      float sum = 0.0f;
-      for (int64_t i = 0; i < w.hidden_size; ++i) sum += load(h, i) * load(proj, i);
-      if (w.proj_reads_markov)
-        for (int64_t r = 0; r < w.rank; ++r) sum += embedding[r] * load(proj, w.hidden_size + r);
-      sum += w.proj_bias;
-      w.confidences[b * w.width + k] = bf16 ? round_bf16(sum) : sum;
-    }
-    if (w1 != nullptr) {
-      for (int64_t j = 0; j < w.draft_vocab; ++j) bias[j] = 0.0f;
-      for (int64_t r = 0; r < w.rank; ++r) {
-        const float e = embedding[r];
-        const T* column = w2 + r * w.w2_rank_stride;
-        if (w.w2_vocab_stride == 1) {
-          for (int64_t j = 0; j < w.draft_vocab; ++j) bias[j] += load(column, j) * e;
-        } else {
-          for (int64_t j = 0; j < w.draft_vocab; ++j) bias[j] += load(column, j * w.w2_vocab_stride) * e;
-        }
-      }
+    slot_scores<T>(w, b, k, prev, embedding, scores, bf16);
+    const int64_t slot = b * w.width + k;
+    const int64_t chosen = w.scale == nullptr
+        ? argmax_scores(scores, w.draft_vocab)
+        : sample_scores(scores, w.draft_vocab, w.scale[b], w.uniforms[slot], w.probs + slot * w.draft_vocab);
+    prev = w.d2t != nullptr ? w.d2t[chosen] : chosen;
+    w.tokens[slot] = prev;
+  }
+}
+
+void run_walk(const Walk& walk, int bf16, int threads) {
+  const int64_t work = walk.rows * walk.width * walk.draft_vocab * (walk.rank + 1);
+#pragma omp parallel num_threads(threads) if (work >= (int64_t(1) << 20))
+  {
+    std::vector<float> scores(walk.draft_vocab), embedding(walk.rank > 0 ? walk.rank : 1);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < walk.rows; ++b) {
       if (bf16)
-        for (int64_t j = 0; j < w.draft_vocab; ++j) bias[j] = round_bf16(bias[j]);
+        walk_row<uint16_t>(walk, b, scores.data(), embedding.data(), true);
+      else
+        walk_row<float>(walk, b, scores.data(), embedding.data(), false);
     }
-    const T* logits = base + b * w.base_row_stride + k * w.base_slot_stride;
-    int64_t best = 0;
-    float best_value = load(logits, 0) + (w1 != nullptr ? bias[0] : 0.0f);
-    for (int64_t j = 1; j < w.draft_vocab && !std::isnan(best_value); ++j) {
-      const float value = load(logits, j) + (w1 != nullptr ? bias[j] : 0.0f);
-      if (value > best_value || std::isnan(value)) {  // the first maximum; a NaN wins, as in torch
-        best = j;
-        best_value = value;
-      }
-    }
-    prev = w.d2t != nullptr ? w.d2t[best] : best;
-    w.tokens[b * w.width + k] = prev;
   }
 }
 
@@ -106,27 +188,30 @@ void walk_row(const Walk& w, int64_t b, float* bias, float* embedding, bool bf16
 
 extern "C" {
 
-int64_t dspark_walk_max_rank() { return 4096; }
-
 void dspark_greedy_walk(const void* base, int64_t base_row_stride, int64_t base_slot_stride, const void* hidden,
                         int64_t hidden_row_stride, int64_t hidden_slot_stride, int64_t hidden_size,
                         const int64_t* anchors, const void* w1, const void* w2, int64_t w2_vocab_stride,
                         int64_t w2_rank_stride, int64_t rank, const void* proj, float proj_bias,
                         int proj_reads_markov, const int64_t* d2t, int64_t rows, int64_t width,
                         int64_t draft_vocab, int bf16, int64_t* tokens, float* confidences, int threads) {
-  const Walk walk{base, base_row_stride, base_slot_stride, hidden, hidden_row_stride, hidden_slot_stride,
-                  hidden_size, anchors, w1, w2, w2_vocab_stride, w2_rank_stride, rank, proj, proj_bias,
-                  proj_reads_markov, d2t, rows, width, draft_vocab, tokens, confidences};
-#pragma omp parallel num_threads(threads) if (rows * width * draft_vocab * (rank + 1) >= (int64_t(1) << 20))
-  {
-    std::vector<float> bias(draft_vocab), embedding(rank > 0 ? rank : 1);
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < rows; ++b) {
-      if (bf16)
-        walk_row<uint16_t>(walk, b, bias.data(), embedding.data(), true);
-      else
-        walk_row<float>(walk, b, bias.data(), embedding.data(), false);
-    }
-  }
+  run_walk(Walk{base, base_row_stride, base_slot_stride, hidden, hidden_row_stride, hidden_slot_stride, hidden_size,
+                anchors, w1, w2, w2_vocab_stride, w2_rank_stride, rank, proj, proj_bias, proj_reads_markov, d2t, rows,
+                width, draft_vocab, tokens, confidences, nullptr, nullptr, nullptr},
+           bf16, threads);
+}
+
+// The greedy walk's arguments, then scale [rows] (1 / temperature), uniforms [rows, width] and
+// probs [rows, width, draft_vocab] (out).
+void dspark_sampled_walk(const void* base, int64_t base_row_stride, int64_t base_slot_stride, const void* hidden,
+                         int64_t hidden_row_stride, int64_t hidden_slot_stride, int64_t hidden_size,
+                         const int64_t* anchors, const void* w1, const void* w2, int64_t w2_vocab_stride,
+                         int64_t w2_rank_stride, int64_t rank, const void* proj, float proj_bias,
+                         int proj_reads_markov, const int64_t* d2t, int64_t rows, int64_t width,
+                         int64_t draft_vocab, int bf16, int64_t* tokens, float* confidences, int threads,
+                         const float* scale, const double* uniforms, float* probs) {
+  run_walk(Walk{base, base_row_stride, base_slot_stride, hidden, hidden_row_stride, hidden_slot_stride, hidden_size,
+                anchors, w1, w2, w2_vocab_stride, w2_rank_stride, rank, proj, proj_bias, proj_reads_markov, d2t, rows,
+                width, draft_vocab, tokens, confidences, scale, uniforms, probs},
+           bf16, threads);
 }
 }

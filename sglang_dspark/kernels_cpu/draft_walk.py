@@ -1,4 +1,4 @@
-"""The greedy Markov walk of a drafted block in one C++ call (`draft_walk.cpp`).
+"""The Markov walk of a drafted block in one C++ call (`draft_walk.cpp`), greedy or sampled.
 
 `decoding.sample_block` walks a block slot by slot with ~12 torch ops each (embedding lookup,
 Markov bias, confidence head, add, argmax, draft -> target id): at batch 1 and 7 slots that was
@@ -6,7 +6,9 @@ Markov bias, confidence head, add, argmax, draft -> target id): at batch 1 and 7
 forward has just pushed everything out of the caches. For greedy rows the kernel does the same
 arithmetic (float32 sums, rounded to bfloat16 where the drafter is bfloat16, as torch's linears
 round) after one torch GEMM for the block's base logits, so its drafts and confidences are the
-torch walk's. Sampled rows keep the torch walk: they need the draft distributions for rejection.
+torch walk's. Rows sampled at a temperature alone (no top-k, no top-p) draw each slot from
+softmax(scores / T) with one uniform from the worker's generator, and the kernel writes that
+distribution over the draft vocabulary (p_d for rejection sampling); others keep the torch walk.
 """
 
 from __future__ import annotations
@@ -26,38 +28,42 @@ SOURCE = Path(__file__).with_name("draft_walk.cpp")
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+_c = ctypes
+WALK_ARGS = [_c.c_void_p, _c.c_int64, _c.c_int64, _c.c_void_p, _c.c_int64, _c.c_int64, _c.c_int64, _c.c_void_p,
+             _c.c_void_p, _c.c_void_p, _c.c_int64, _c.c_int64, _c.c_int64, _c.c_void_p, _c.c_float, _c.c_int,
+             _c.c_void_p, _c.c_int64, _c.c_int64, _c.c_int64, _c.c_int, _c.c_void_p, _c.c_void_p, _c.c_int]
+
+
 @functools.cache
 def load_draft_walk() -> ctypes.CDLL:
     """The compiled walk, built on first use; raises `KernelUnavailable` with the reason."""
     c = ctypes
     return load_library(SOURCE, {
-        "dspark_greedy_walk": [c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_int64, c.c_int64,
-                               c.c_void_p, c.c_void_p, c.c_void_p, c.c_int64, c.c_int64, c.c_int64, c.c_void_p,
-                               c.c_float, c.c_int, c.c_void_p, c.c_int64, c.c_int64, c.c_int64, c.c_int,
-                               c.c_void_p, c.c_void_p, c.c_int],
+        "dspark_greedy_walk": WALK_ARGS,
+        "dspark_sampled_walk": WALK_ARGS + [c.c_void_p, c.c_void_p, c.c_void_p],
     })
 
 
-def greedy_walk_fits(drafter) -> bool:
-    """Whether `greedy_walk` can walk this drafter's blocks: on the CPU, float32 or bfloat16, with a
+def kernel_walk_fits(drafter) -> bool:
+    """Whether `KernelWalk` can walk this drafter's blocks: on the CPU, float32 or bfloat16, with a
     vanilla Markov head or none (the gated and RNN heads keep the torch walk)."""
     head = drafter.markov_head
     return (drafter.device.type == "cpu" and drafter.dtype in DTYPES and drafter.lm_head.loaded
             and (head is None or head.kind == "vanilla"))
 
 
-class GreedyWalk:
-    """Walks greedy blocks of one drafter (`greedy_walk_fits` must hold): `walk(hidden, anchors)`
-    is `sample_block(drafter, hidden, anchors, <all greedy>)`, drafts `[B, W]` as target ids and
-    their raw confidence logits `[B, W]` (None without a confidence head).
+class KernelWalk:
+    """Walks the blocks of one drafter (`kernel_walk_fits` must hold) in one call each:
+    `greedy(hidden, anchors)` is `sample_block(drafter, hidden, anchors, <all greedy>)`;
+    `sampled(hidden, anchors, temperatures, generator)` is a temperature-only `sample_block`.
 
     The block's base logits go through 32-column panels of the drafter's lm_head where those beat
     the BLAS (`fastest_panel_rows`): 0.16 against 0.29-0.37 ms for 7 rows here. `head_panels=False`
     (or no panel kernel on this CPU) keeps torch's linear."""
 
     def __init__(self, drafter, head_panels: bool = True) -> None:
-        if not greedy_walk_fits(drafter):
-            raise ValueError("greedy_walk: needs a CPU float32/bfloat16 drafter with a vanilla Markov head or none")
+        if not kernel_walk_fits(drafter):
+            raise ValueError("the kernel walk needs a CPU float32/bfloat16 drafter with a vanilla Markov head or none")
         load_draft_walk()
         self.drafter = drafter
         self._panels, self._panel_rows = None, range(0)
@@ -73,11 +79,29 @@ class GreedyWalk:
             return self.drafter.base_logits(hidden)
         return panel_linear(hidden.contiguous(), self._panels, self.drafter.config.draft_vocab_size)
 
-    def __call__(self, hidden: torch.Tensor, anchors: torch.Tensor) -> DraftBlock:
+    def greedy(self, hidden: torch.Tensor, anchors: torch.Tensor) -> DraftBlock:
+        """Drafts `[B, W]` as target ids and their raw confidence logits (None without a head)."""
+        tokens, confidences = self._walk(hidden, anchors)
+        return DraftBlock(tokens=tokens, probs=None, confidence_logits=confidences)
+
+    def sampled(self, hidden: torch.Tensor, anchors: torch.Tensor, temperatures: torch.Tensor,
+                generator: torch.Generator | None) -> DraftBlock:
+        """Drafts drawn at `temperatures [B]` (> 0), with the distributions they were drawn from
+        over the draft vocabulary (`probs_vocab`: the drafter's d2t)."""
+        batch, width = hidden.shape[:2]
+        if temperatures.shape != (batch,) or not bool((temperatures > 0).all()):
+            raise ValueError(f"sampled walk: temperatures {temperatures.tolist()}, expected {batch} values > 0")
+        scale = (1.0 / temperatures.to(torch.float32)).contiguous()
+        uniforms = torch.rand(batch, width, dtype=torch.float64, generator=generator)
+        probs = torch.empty(batch, width, self.drafter.config.draft_vocab_size, dtype=torch.float32)
+        tokens, confidences = self._walk(hidden, anchors, [scale.data_ptr(), uniforms.data_ptr(), probs.data_ptr()])
+        return DraftBlock(tokens=tokens, probs=probs, confidence_logits=confidences, probs_vocab=self.drafter.d2t)
+
+    def _walk(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling: list | None = None):
         drafter = self.drafter
         batch, width, hidden_size = hidden.shape
         if hidden.dtype != drafter.dtype or hidden.stride(2) != 1 or anchors.shape != (batch,):
-            raise ValueError(f"greedy_walk: hidden {tuple(hidden.shape)} {hidden.dtype} and anchors "
+            raise ValueError(f"kernel walk: hidden {tuple(hidden.shape)} {hidden.dtype} and anchors "
                              f"{tuple(anchors.shape)}: expected [B, W, d] {drafter.dtype} (unit stride last) and [B]")
         base = self.base_logits(hidden)
         anchors = anchors.to(torch.int64).contiguous()
@@ -90,14 +114,19 @@ class GreedyWalk:
             proj = confidence.proj.weight.reshape(-1).contiguous()
             confidences = torch.empty(batch, width, dtype=torch.float32)
         d2t = drafter.d2t
-        load_draft_walk().dspark_greedy_walk(
+        arguments = [
             base.data_ptr(), base.stride(0), base.stride(1), hidden.data_ptr(), hidden.stride(0), hidden.stride(1),
             hidden_size, anchors.data_ptr(), _pointer(w1), _pointer(w2), 0 if w2 is None else w2.stride(0),
             0 if w2 is None else w2.stride(1), 0 if head is None else head.rank, _pointer(proj),
             0.0 if confidence is None else float(confidence.proj.bias), int(confidence is not None and confidence.with_markov),
             _pointer(d2t), batch, width, base.shape[-1], drafter.dtype == torch.bfloat16, tokens.data_ptr(),
-            _pointer(confidences), torch.get_num_threads())
-        return DraftBlock(tokens=tokens, probs=None, confidence_logits=confidences)
+            _pointer(confidences), torch.get_num_threads()]
+        kernel = load_draft_walk()
+        if sampling is None:
+            kernel.dspark_greedy_walk(*arguments)
+        else:
+            kernel.dspark_sampled_walk(*arguments, *sampling)
+        return tokens, confidences
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:

@@ -9,13 +9,15 @@
 // the number of rows, heads or threads: a verify row gets the bits of the one-token decode that
 // would have seen the same keys. Scores, softmax and the weighted sum are float32; the output is
 // rounded once (bfloat16: to nearest even, as torch does). The query is scaled before the dot
-// products, and e^x is a fixed polynomial (below), so results differ from torch's SDPA in the last bits.
+// products, and e^x is a fixed polynomial (`simd_math.h`), so results differ from torch's SDPA in the last bits.
 #include <immintrin.h>
 #include <stdint.h>
 
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#include "simd_math.h"
 
 namespace {
 
@@ -36,25 +38,6 @@ inline void store16(uint16_t* p, __m512 values) {
   __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
   rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
-}
-
-// e^x for x <= 0 (scores minus their maximum), Cephes expf's polynomial: within 2 ulp of expf,
-// 16 lanes at a time, the same bits for the same input wherever it is computed.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  const __m512 z = _mm512_mul_ps(x, x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3333452107e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(y, n);
 }
 
 // Softmax weights of one head in place; returns their sum. Fixed order for a given count.

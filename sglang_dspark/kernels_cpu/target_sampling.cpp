@@ -13,27 +13,11 @@
 #include <cstring>
 #include <vector>
 
+#include "simd_math.h"
+
 namespace {
 
 constexpr int kLanes = 16;
-
-// e^x for x <= 0: Cephes expf's polynomial (as in paged_attention.cpp), within 2 ulp of expf.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  const __m512 z = _mm512_mul_ps(x, x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3333452107e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(y, n);
-}
 
 inline __mmask16 lanes_of(int64_t cols, int64_t start) {
   const int64_t left = cols - start;
