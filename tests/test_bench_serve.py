@@ -158,11 +158,9 @@ def test_bad_arms_and_arm_environments_are_refused(arms, arm_env):
         parse_arm_env(arm_env, parse_arms(arms))
 
 
-@pytest.mark.parametrize("ignore_eos", [True, False])
-def test_waves_stop_at_the_end_of_turn_only_when_asked(monkeypatch, ignore_eos):
+def _record_sampling_params(monkeypatch) -> list[dict]:
+    """Answer every /generate with 10 tokens in 5 verify steps; return the sampling_params sent."""
     import httpx
-
-    from dspark_ctl.bench_serve import run_wave
 
     sent = []
 
@@ -172,24 +170,23 @@ def test_waves_stop_at_the_end_of_turn_only_when_asked(monkeypatch, ignore_eos):
         return httpx.Response(200, json={"meta_info": meta}, request=httpx.Request("POST", url))
 
     monkeypatch.setattr(httpx, "post", fake_post)
+    return sent
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_waves_stop_at_the_end_of_turn_only_when_asked(monkeypatch, ignore_eos):
+    from dspark_ctl.bench_serve import run_wave
+
+    sent = _record_sampling_params(monkeypatch)
     wave = run_wave("http://server", ["a", "b"], 16, ignore_eos=ignore_eos)
     assert [p["ignore_eos"] for p in sent] == [ignore_eos] * 2 and sent[0]["max_new_tokens"] == 16
     assert wave["tau"] == pytest.approx(2.0)
 
 
 def test_waves_sample_at_the_temperature_asked_and_greedy_by_default(monkeypatch):
-    import httpx
-
     from dspark_ctl.bench_serve import run_wave
 
-    sent = []
-
-    def fake_post(url, json, timeout):
-        sent.append(json["sampling_params"])
-        meta = {"completion_tokens": 10, "spec_verify_ct": 5, "spec_cap_length": 3.0}
-        return httpx.Response(200, json={"meta_info": meta}, request=httpx.Request("POST", url))
-
-    monkeypatch.setattr(httpx, "post", fake_post)
+    sent = _record_sampling_params(monkeypatch)
     run_wave("http://server", ["a"], 16)
     run_wave("http://server", ["a"], 16, sampling={"temperature": 0.7, "top_p": 0.9})
     assert sent[0]["temperature"] == 0.0

@@ -105,7 +105,7 @@ def verify(
     kernel); it must agree with the logits in every verified slot.
     ``sampler``: see `verify_packed`.
     """
-    batch, slots, vocab = _check_verify_inputs(draft, target_logits, verify_lens, params)
+    batch, slots = _check_verify_inputs(draft, target_logits, verify_lens)
     if target_argmax is not None and target_argmax.shape != (batch, slots):
         raise ValueError(f"target_argmax has shape {tuple(target_argmax.shape)}; expected [{batch}, {slots}]")
     verify_lens = verify_lens.to(device=target_logits.device, dtype=torch.long)
@@ -275,20 +275,14 @@ def _final_distributions(target_probs: torch.Tensor, rejected: torch.Tensor,
     return target_probs
 
 
-def _check_verify_inputs(
-    draft: DraftBlock,
-    target_logits: torch.Tensor,
-    verify_lens: torch.Tensor,
-    params: SamplingParams,
-) -> tuple[int, int, int]:
+def _check_verify_inputs(draft: DraftBlock, target_logits: torch.Tensor, verify_lens: torch.Tensor) -> tuple[int, int]:
+    """The padded layout's own checks; `_check_draft` checks the draft and params against it."""
     if target_logits.dim() != 3:
         raise ValueError(f"target_logits must be [B, S, V], got shape {tuple(target_logits.shape)}")
-    batch, slots, vocab = target_logits.shape
-    if draft.tokens.shape[0] != batch or params.batch_size != batch or verify_lens.shape != (batch,):
-        raise ValueError(
-            f"batch sizes disagree: target_logits {batch}, draft tokens {draft.tokens.shape[0]}, "
-            f"params {params.batch_size}, verify_lens {tuple(verify_lens.shape)} (expected [{batch}])"
-        )
+    batch, slots, _ = target_logits.shape
+    if verify_lens.shape != (batch,):
+        raise ValueError(f"verify_lens has shape {tuple(verify_lens.shape)}, expected [{batch}] "
+                         "(one per target_logits row)")
     if not 1 <= slots <= draft.gamma + 1:
         raise ValueError(
             f"target_logits has {slots} slots; expected 1..gamma+1 = 1..{draft.gamma + 1} "
@@ -298,7 +292,7 @@ def _check_verify_inputs(
         raise ValueError(
             f"verify_lens must be in 0..{slots - 1} (target_logits slots - 1), got {verify_lens.tolist()}"
         )
-    return batch, slots, vocab
+    return batch, slots
 
 
 def _check_draft(draft: DraftBlock, batch: int, slots: int, vocab: int, params: SamplingParams) -> None:

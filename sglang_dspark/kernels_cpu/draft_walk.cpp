@@ -23,25 +23,6 @@
 
 namespace {
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-
-inline float load(const uint16_t* p, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-
-inline float round_bf16(float value) {
-  if (std::isnan(value)) return value;
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  bits &= 0xFFFF0000u;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-
 struct Walk {
   const void* base;
   int64_t base_row_stride, base_slot_stride;

@@ -10,29 +10,13 @@
 #include <cmath>
 #include <cstring>
 
+#include "simd_math.h"
+
 namespace {
-
-inline float load(const float* p, int64_t i) { return p[i]; }
-
-inline float load(const uint16_t* p, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
 
 inline void store(float* p, int64_t i, float value) { p[i] = value; }
 
-inline void store(uint16_t* p, int64_t i, float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if (std::isnan(value)) {
-    p[i] = 0x7FC0;
-    return;
-  }
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  p[i] = static_cast<uint16_t>(bits >> 16);
-}
+inline void store(uint16_t* p, int64_t i, float value) { p[i] = bf16_bits(value); }
 
 // x (+ residual) -> residual_out (rounded to the dtype), out = x * rsqrt(mean(x^2) + eps) * weight.
 template <typename T, typename W>
