@@ -100,14 +100,28 @@ def generate_command(
     seed: int = typer.Option(0, "--seed"),
     time_budget_min: Optional[float] = typer.Option(None, "--time-budget-min"),
     threads: Optional[int] = typer.Option(None, "--threads"),
+    server: Optional[str] = typer.Option(None, "--server", help="Generate through this running SGLang server of the target (e.g. http://127.0.0.1:30000; `dspark-ctl serve --no-speculation`): continuous batching, ~5x the tokens/s of the in-process path on this CPU. --target then only names the tokenizer; --seed, --batch-size and --threads do not apply."),
+    concurrency: int = typer.Option(32, "--concurrency", help="Requests in flight with --server (at most the server's --max-running-requests is useful)."),
 ) -> None:
-    """Answer training prompts with the target itself (batched fp32 sampling on the bf16 weights)."""
-    from sglang_dspark.training.data import generate_responses
+    """Answer training prompts with the target itself: in process (batched fp32 sampling on the
+    bf16 weights) or through a running SGLang server (--server)."""
+    budget = None if time_budget_min is None else time_budget_min * 60
+    if server:
+        from sglang_dspark.training.data import generate_responses_via_server
 
-    summary = generate_responses(_target_or_default(target), Path(prompts), Path(out), max_new_tokens=max_new_tokens,
-                                 batch_size=batch_size, temperature=temperature, top_p=top_p, seed=seed,
-                                 time_budget_s=None if time_budget_min is None else time_budget_min * 60,
-                                 threads=threads)
+        try:
+            summary = generate_responses_via_server(server, _target_or_default(target), Path(prompts), Path(out),
+                                                    max_new_tokens=max_new_tokens, concurrency=concurrency,
+                                                    temperature=temperature, top_p=top_p, time_budget_s=budget)
+        except (ConnectionError, RuntimeError) as error:
+            typer.echo(f"error: {error}", err=True)
+            raise typer.Exit(code=2) from error
+    else:
+        from sglang_dspark.training.data import generate_responses
+
+        summary = generate_responses(_target_or_default(target), Path(prompts), Path(out),
+                                     max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature,
+                                     top_p=top_p, seed=seed, time_budget_s=budget, threads=threads)
     typer.echo(json.dumps(summary))
 
 
