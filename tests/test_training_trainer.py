@@ -59,6 +59,17 @@ def test_loss_falls_and_both_drafters_ship(tmp_path):
     assert final < 0.85 * first, (first, final)
 
 
+def test_mixed_precision_training_lowers_the_loss_as_well(tmp_path):
+    """`--autocast bf16` (the default on a CPU with AMX): fp32 weights and optimizer, bf16 matmuls."""
+    target_dir, cache = _tiny_setup(tmp_path)
+    settings = _settings(80)
+    settings.bf16_autocast = True
+    spec = DrafterSpec(out=str(tmp_path / "mixed"), markov_rank=16)
+    train_drafters(cache, target_dir, [spec], settings, progress=False)
+    final = json.loads(open(f"{spec.out}/train_log.jsonl").readlines()[-1])["holdout_loss"]
+    assert final < 0.85 * _first_step_loss(tmp_path, cache, target_dir)
+
+
 def _first_step_loss(tmp_path, cache, target_dir) -> float:
     """Holdout loss of the untrained drafter (one eval at step 1 of a fresh run)."""
     settings = _settings(1)
