@@ -315,10 +315,12 @@ def test_a_batch_that_shrinks_drafts_at_once_where_drafting_pays():
 def test_the_width_values_equal_a_per_width_evaluation(batch):
     """The planner values every width in one pass (it runs on every decode step); each width's
     expected tokens and seconds equal evaluating that width alone: the virtual batches' survivals
-    at slots < w, best first, admitted while each pays for its marginal seconds."""
+    at slots < w, best first, admitted while each pays for its marginal seconds. At batch 1 the
+    virtual batches are the pool's rows, each once (an exact mean, not 256 draws)."""
     planner = EarlyStopPlanner(convex(), gamma=7, seed=3)
     ids = list(range(batch))
-    planner.publish(ids, random_survivals(batch, 7, seed=batch))
+    for step in range(5):
+        planner.publish(ids, random_survivals(batch, 7, seed=batch + 100 * step))
     per_slot = [0.0] + [0.002 * w for w in range(1, 8)]
     state = planner._rng.bit_generator.state
     throughput = planner._throughput(batch, 120.0)
@@ -326,7 +328,10 @@ def test_the_width_values_equal_a_per_width_evaluation(batch):
 
     planner._rng.bit_generator.state = state  # the same virtual batches
     pool = np.concatenate([snapshot.survivals for snapshot in planner._history])
-    virtual = pool[planner._rng.integers(0, len(pool), size=(max(1, planner.virtual_rows // batch), batch))]
+    if batch == 1:
+        virtual = pool[:, None, :]
+    else:
+        virtual = pool[planner._rng.integers(0, len(pool), size=(max(1, planner.virtual_rows // batch), batch))]
     target = convex().seconds_curve(batch, batch + np.arange(batch * 7 + 1, dtype=np.float64), 120.0)
     for width in range(1, 8):
         candidates = -np.sort(-virtual[:, :, :width].reshape(len(virtual), -1), axis=1)

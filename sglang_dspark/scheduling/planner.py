@@ -701,7 +701,10 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         """Expected committed tokens and seconds of drafting each width 0..gamma this step, each
         draft admitted while it pays for its seconds at `throughput` (lambda)."""
         pool = np.concatenate([snapshot.survivals for snapshot in self._history])
-        virtual = pool[self._rng.integers(0, len(pool), size=(max(1, self.virtual_rows // batch), batch))]
+        if batch == 1:  # each pool row is a virtual batch: the exact mean, over ~16 rows, not 256 draws
+            virtual = pool[:, None, :]
+        else:
+            virtual = pool[self._rng.integers(0, len(pool), size=(max(1, self.virtual_rows // batch), batch))]
         costs = _draft_costs(draft_seconds, self.gamma)
         tokens = batch + np.arange(batch * self.gamma + 1, dtype=np.float64)
         target = _target_seconds(self.cost_model, batch, tokens, context_tokens) + self.fixed_seconds
