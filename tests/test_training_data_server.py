@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import httpx
@@ -46,6 +47,10 @@ def test_server_answers_are_the_targets_and_a_rerun_only_answers_new_prompts(bas
             "input_ids": record["prompt_ids"], "sampling_params": {"max_new_tokens": 12, "temperature": 0.0}})
         assert record["response_ids"] == greedy.json()["output_ids"]
         assert 0 < len(record["response_ids"]) <= 12
+
+    packed = tmp_path / "answers.jsonl.gz"
+    packed.write_bytes(gzip.compress(out.read_bytes()))
+    assert read_responses(packed) == read_responses(out)  # how drafters/data/ keeps them
 
 
 def test_generate_names_the_url_when_no_server_answers(tiny_serving_models, tmp_path):

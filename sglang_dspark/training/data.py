@@ -529,10 +529,11 @@ def _generation_summary(written: int, tokens: int, started: float, stopped_by_bu
 def _read_lines(path: Path) -> Iterable[dict]:
     if not path.exists():
         return []
-    with open(path) as handle:
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as handle:
         return [json.loads(line) for line in handle if line.strip()]
 
 
 def read_responses(path: Path) -> list[dict]:
-    """The generated records (see :func:`generate_responses`)."""
+    """The generated records (see :func:`generate_responses`); a ``.gz`` file is read as gzip
+    (the shipped drafter's training answers are kept that way in ``drafters/data/``)."""
     return list(_read_lines(path))
