@@ -10,8 +10,8 @@ Three domains, all offline:
 Each domain's prompts are de-duplicated, shuffled with the seed and cut into disjoint eval /
 calibration / train splits (eval first, so that growing the train split never moves an eval
 prompt). The responses are the target's own (distillation): chat-templated prompt, sampled
-continuation, batched fp32 generation, written to JSON lines as they come so a long run can be
-stopped and resumed.
+continuation (batched fp32 generation in process, or a running SGLang server), written to JSON
+lines as they come so a long run can be stopped and resumed.
 """
 
 from __future__ import annotations
@@ -419,7 +419,7 @@ def generate_responses_via_server(
 ) -> dict:
     """:func:`generate_responses` through a running SGLang server serving the target.
 
-    Why: SGLang batches continuously (~200 tokens/s for SmolLM2 on 2 cores at 16-32 requests in
+    Why: SGLang batches continuously (~175 answer tokens/s for SmolLM2 on 2 cores, 32 requests in
     flight) where ``transformers.generate`` pads and waits for a batch's longest answer (~30-39).
     Each prompt is sent as token ids to ``/generate``, so the record holds exactly the ids the
     target saw; ``output_ids`` ends with ``<|im_end|>`` when the answer ended. The server samples
