@@ -38,6 +38,7 @@ def train_command(
     block_size: int = typer.Option(7, "--block-size", help="gamma: drafts per block."),
     twin_out: Optional[str] = typer.Option(None, "--twin-out", help="Also train the DFlash twin (rank 0, no confidence head) here, on the same batches."),
     init_from: Optional[str] = typer.Option(None, "--init-from", help="Start a fresh run from this trained drafter folder (its weights and vocabulary; --layers may add identity-initialised layers)."),
+    reselect_vocab: bool = typer.Option(False, "--reselect-vocab", help="With --init-from: choose the draft vocabulary afresh from --cache (--draft-vocab tokens) instead of keeping the source's; the tokens both share keep their trained Markov rows."),
     twin_init_from: Optional[str] = typer.Option(None, "--twin-init-from", help="The same for the twin."),
     steps: int = typer.Option(1000, "--steps", help="Total optimizer steps (a resumed run continues towards it)."),
     lr: float = typer.Option(1e-3, "--lr"),
@@ -65,6 +66,9 @@ def train_command(
         raise typer.BadParameter(f"--autocast must be auto, bf16 or off, got {autocast!r}")
     if threads:
         set_torch_threads(threads)
+    if reselect_vocab and not (init_from or twin_init_from):
+        raise typer.BadParameter("--reselect-vocab re-chooses the vocabulary of an --init-from drafter; "
+                                 "a run without --init-from chooses a fresh one anyway")
     target_dir = Path(_target_or_default(target))
     specs = [DrafterSpec(out=out, markov_rank=markov_rank, markov_head_type=markov_head,
                          confidence_head=not no_confidence_head, init_from=init_from)]
@@ -72,7 +76,7 @@ def train_command(
         specs.append(DrafterSpec(out=twin_out, markov_rank=0, confidence_head=False, init_from=twin_init_from))
     settings = TrainSettings(layers=layers, block_size=block_size, draft_vocab_size=draft_vocab,
                              anchors_per_seq=anchors, seqs_per_step=seqs_per_step, steps=steps, lr=lr,
-                             kl_alpha=kl_alpha, seed=seed, checkpoint_every=checkpoint_every, eval_every=eval_every,
+                             kl_alpha=kl_alpha, reselect_vocab=reselect_vocab, seed=seed, checkpoint_every=checkpoint_every, eval_every=eval_every,
                              bf16_autocast=autocast == "bf16" or (autocast == "auto" and cpu_has_native_bf16()))
     command = "dspark-ctl " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     summary = train_drafters(load_target_caches([Path(c) for c in cache]), target_dir, specs, settings, command=command,

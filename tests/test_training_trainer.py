@@ -148,3 +148,31 @@ def test_growing_refuses_a_source_with_other_heads(tmp_path):
     other = DrafterSpec(out=str(tmp_path / "rank4"), markov_rank=4, init_from=f"{source.out}/checkpoint")
     with pytest.raises(ValueError, match="another shape"):
         train_drafters(cache, target_dir, [other], _settings(2), progress=False)
+
+
+def test_a_reselected_vocabulary_keeps_the_shared_tokens_markov_rows(tmp_path):
+    target_dir, cache = _tiny_setup(tmp_path, num_seqs=8)
+    source = DrafterSpec(out=str(tmp_path / "narrow"), markov_rank=8)
+    narrow = _settings(3)
+    narrow.draft_vocab_size = 128
+    train_drafters(cache, target_dir, [source], narrow, progress=False)
+    wide = _settings(3)
+    wide.draft_vocab_size, wide.reselect_vocab = 256, True
+    moved = DrafterSpec(out=str(tmp_path / "wide"), markov_rank=8, init_from=source.out)
+    train_drafters(cache, target_dir, [moved], wide, stop_at=0, progress=False)  # ship the start point
+
+    def load(folder):
+        return load_drafter(folder, target=make_tiny_target(seed=0, initializer_range=PEAKED_INIT_STD))
+
+    before, after = load(source.out), load(moved.out)
+    assert len(before.d2t) == 128 and len(after.d2t) == 256
+    # the same cache ranks the tokens the same way: the 128 most frequent are among the 256
+    assert set(before.d2t.tolist()) < set(after.d2t.tolist())
+    rows_before = before.markov_head.markov_w2.weight
+    rows_after = after.markov_head.markov_w2.weight
+    position = {int(t): i for i, t in enumerate(before.d2t)}
+    shared = [(i, position[int(t)]) for i, t in enumerate(after.d2t) if int(t) in position]
+    new = [i for i, t in enumerate(after.d2t) if int(t) not in position]
+    assert shared and new
+    assert torch.equal(rows_after[[i for i, _ in shared]], rows_before[[j for _, j in shared]])
+    assert not rows_after[new].any()

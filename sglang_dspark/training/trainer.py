@@ -79,6 +79,9 @@ class TrainSettings:
     checkpoint_every: int = 200
     eval_every: int = 100
     holdout_fraction: float = 0.08
+    # with init_from: choose the draft vocabulary afresh from the cache (draft_vocab_size tokens)
+    # instead of keeping the source drafter's, which was chosen on older data
+    reselect_vocab: bool = False
     # bf16 autocast made a CPU step 2.7x slower without native bf16 math (weight casts dominate
     # at these sizes) and 1.5x faster with AMX (`dspark-ctl train --autocast auto` picks)
     bf16_autocast: bool = False
@@ -410,7 +413,7 @@ def train_drafters(cache: TargetCache, target_dir: Path, specs: list[DrafterSpec
     eos = _eos_id(target_dir)
     # a resumed run keeps the vocabulary it started with, even if the cache has grown since
     d2t = _checkpoint_d2t(specs)
-    if d2t is None:
+    if d2t is None and not settings.reselect_vocab:
         d2t = _init_d2t(specs)
     if d2t is None:
         d2t = draft_vocabulary(cache, settings.draft_vocab_size, always=[eos])
@@ -523,19 +526,23 @@ def grow_from(drafter: DSparkDrafter, source: Path) -> None:
 
     Every tensor of the source is copied; each extra layer starts as the identity (its attention
     output and MLP down projections are zero, so the residual passes through), so the grown
-    drafter drafts exactly like the source at step 0 and training only adds to it.
+    drafter drafts exactly like the source at step 0 and training only adds to it. A drafter
+    with another draft vocabulary (``reselect_vocab``) takes the source's per-draft-token rows
+    for the tokens both share (``_carry_vocab_rows``); its new tokens start with no Markov bias.
     """
     from safetensors.torch import load_file
 
     tensors = load_file(str(source / "model.safetensors"))
-    tensors.pop("d2t", None)
+    source_d2t = tensors.pop("d2t", None)
+    if drafter.d2t is not None and source_d2t is not None and not torch.equal(source_d2t, drafter.d2t.cpu()):
+        _carry_vocab_rows(tensors, source_d2t.long(), drafter.d2t.cpu(), drafter.config.vocab_size)
     own = drafter.state_dict()
     unknown = sorted(set(tensors) - set(own))
     mismatched = sorted(k for k in tensors if k in own and tensors[k].shape != own[k].shape)
     if unknown or mismatched:
         raise ValueError(f"{source}: cannot start this drafter from it: tensors it lacks {unknown}, "
-                         f"tensors of another shape {mismatched}; --init-from keeps the heads, the "
-                         "vocabulary and the taps of the source and may only add layers")
+                         f"tensors of another shape {mismatched}; --init-from keeps the heads and "
+                         "the taps of the source and may only add layers")
     missing = drafter.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False).missing_keys
     added = {k.split(".")[1] for k in missing if k.startswith("layers.")}
     if any(not k.startswith("layers.") for k in missing):
@@ -545,6 +552,24 @@ def grow_from(drafter: DSparkDrafter, source: Path) -> None:
             layer = drafter.layers[int(index)]
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
+
+
+# the tensors whose rows are draft-vocabulary ids (everything else is vocabulary-free or indexed
+# by target ids: markov_w1 embeds the previous *target* token)
+DRAFT_VOCAB_ROWS = ("markov_head.markov_w2.weight",)
+
+
+def _carry_vocab_rows(tensors: dict[str, torch.Tensor], source_d2t: torch.Tensor,
+                      new_d2t: torch.Tensor, vocab_size: int) -> None:
+    """Re-index the source's draft-vocabulary rows to ``new_d2t``; tokens new to it get zero rows."""
+    source_rows = target_to_draft(source_d2t, vocab_size)[new_d2t]  # -1: not in the source vocab
+    shared = source_rows >= 0
+    for name in DRAFT_VOCAB_ROWS:
+        if name in tensors:
+            old = tensors[name]
+            rows = old.new_zeros((len(new_d2t), *old.shape[1:]))
+            rows[shared] = old[source_rows[shared]]
+            tensors[name] = rows
 
 
 def _resume(run: DrafterRun, sampler: SequenceSampler, batch_generator: torch.Generator,
