@@ -59,9 +59,6 @@ class TapShards:
     def dtype(self) -> torch.dtype:
         return self.parts[0].dtype
 
-    def __len__(self) -> int:
-        return self.starts[-1]
-
     def __getitem__(self, rows: slice) -> torch.Tensor:
         start, stop, _ = rows.indices(self.starts[-1])
         shard = bisect.bisect_right(self.starts, start) - 1
