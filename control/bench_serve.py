@@ -304,6 +304,8 @@ def bench_serve_command(
     verify_cost_contexts: str = typer.Option("", "--verify-cost", help="e.g. 200,2000: also time the verify step."),
     as_json: bool = typer.Option(True, "--json/--no-json", help="Print the report as JSON."),
     plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of throughput vs concurrency."),
+    out: Path = typer.Option(None, "--out", help="Also write the JSON report to this file (its folder is "
+                                                 "made first, so a long run cannot end on a bad path)."),
 ) -> None:
     """Plain serving vs DSPARK_LIVE: tokens/s, per-user tokens/s, tau, verify tokens per step.
 
@@ -321,6 +323,9 @@ def bench_serve_command(
         typer.echo(f"error: --top-p {top_p}: expected a value in (0, 1]", err=True)
         raise typer.Exit(code=2)
     sampling = {"temperature": temperature, "top_p": top_p}
+    for path in (out, plot_path):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
     texts: list[str] = []
     if wanted:
         by_domain = eval_prompts(prompts_per_domain)
@@ -350,7 +355,10 @@ def bench_serve_command(
     if plot_path is not None and report["arms"]:
         plot(report, plot_path)
         report["plot"] = str(plot_path)
-    typer.echo(json.dumps(report, indent=2) if as_json else report)
+    text = json.dumps(report, indent=2)
+    if out is not None:
+        out.write_text(text + "\n")
+    typer.echo(text if as_json else report)
     if failed:
         typer.echo(f"error: the verify-cost measurement failed: {report['verify_cost']['error']}", err=True)
         raise typer.Exit(code=1)

@@ -132,6 +132,20 @@ def test_bench_serve_refuses_an_unknown_arm():
     assert result.exit_code == 2 and "plain, nodraft, dspark" in result.output
 
 
+def test_bench_serve_writes_its_report_to_out_making_the_folder(tmp_path):
+    from typer.testing import CliRunner
+
+    from dspark_ctl.cli import app
+
+    out = tmp_path / "results" / "run.json"
+    result = CliRunner().invoke(app, ["bench", "serve", "--arms", "", "--model-path", "/t", "--drafter", "/d",
+                                      "--concurrency", "1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["config"]["drafter"] == "/d" and report["arms"] == {}
+    assert json.loads(result.output) == report
+
+
 def test_a_variant_arm_runs_its_base_with_its_own_environment_and_is_compared_to_it(tmp_path):
     from dspark_ctl.bench_serve import arm_launch, parse_arm_env, parse_arms, speedups
 
