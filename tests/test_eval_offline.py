@@ -56,7 +56,11 @@ def test_position_stats_follow_the_definitions():
 
     stats = position_stats([rec(0), rec(1), rec(3), rec(3), rec(2, verified=2)], 3)
     assert stats["prefix_survival"] == pytest.approx([4 / 5, 3 / 5, 2 / 4])
-    assert stats["conditional_acceptance"] == pytest.approx([4 / 5, 3 / 4, (2 / 4) / (3 / 5)])
+    # position 3: of the 2 rounds that verified it after accepting 2 drafts, both accepted it (the
+    # round cut at 2 verified drafts does not count); a ratio of survivals would read (2/4)/(3/5)
+    assert stats["conditional_acceptance"] == pytest.approx([4 / 5, 3 / 4, 2 / 2])
+    cut_short = [rec(0, verified=1)] * 20 + [rec(2, verified=2)] * 2  # survivals 2/22, then 2/2
+    assert position_stats(cut_short, 2)["conditional_acceptance"] == pytest.approx([2 / 22, 1.0])
     assert tau([rec(0), rec(3)]) == 2.5
 
 

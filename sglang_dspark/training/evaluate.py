@@ -92,6 +92,10 @@ class TimedDrafter:
 # ------------------------------------------------------------------------------------ metrics
 
 
+def _share(count: int, total: int) -> float:
+    return count / total if total else float("nan")
+
+
 def tau(records: list[RoundRecord]) -> float:
     """Mean accepted length including the bonus token."""
     if not records:
@@ -100,15 +104,18 @@ def tau(records: list[RoundRecord]) -> float:
 
 
 def position_stats(records: list[RoundRecord], gamma: int) -> dict:
-    """Prefix survival and conditional acceptance per position 1..gamma."""
+    """Prefix survival and conditional acceptance per position 1..gamma.
+
+    Both count only the rounds that verified position k (a round cut short by the token budget
+    says nothing about the positions it never verified). Conditional acceptance at k is the share
+    of those rounds that accepted k-1 drafts which also accepted the k-th: a probability, unlike
+    the ratio of two survivals measured on different rounds."""
     survival, conditional = [], []
-    previous = 1.0
     for k in range(1, gamma + 1):
         eligible = [r for r in records if r.verified_length >= k]
-        value = sum(r.accepted_length >= k for r in eligible) / len(eligible) if eligible else float("nan")
-        survival.append(value)
-        conditional.append(value / previous if previous > 0 else float("nan"))
-        previous = value
+        reached = [r for r in eligible if r.accepted_length >= k - 1]
+        survival.append(_share(sum(r.accepted_length >= k for r in eligible), len(eligible)))
+        conditional.append(_share(sum(r.accepted_length >= k for r in reached), len(reached)))
     return {"prefix_survival": survival, "conditional_acceptance": conditional,
             "rounds_per_position": [sum(r.verified_length >= k for r in records) for k in range(1, gamma + 1)]}
 
