@@ -60,7 +60,8 @@ def train_command(
     from sglang_dspark.training.target_cache import load_target_caches
     from sglang_dspark.training.trainer import DrafterSpec, TrainSettings, train_drafters
 
-    keep_freed_memory()  # a step's big tensors reuse the last step's pages (1.3x faster steps here)
+    keep_freed_memory()  # a step's big tensors reuse the last step's pages: the kernel's share of
+    # a trainer's CPU time fell from 15-25 % to 1-2 % (session 17)
 
     if markov_head not in ("vanilla", "gated", "rnn"):
         raise typer.BadParameter(f"--markov-head must be vanilla, gated or rnn, got {markov_head!r}")

@@ -1,5 +1,6 @@
 """`keep_freed_memory`: a trainer's large per-step tensors stop costing page faults every step."""
 
+import os
 import platform
 import subprocess
 import sys
@@ -23,7 +24,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def _page_faults(mode: str) -> int:
-    done = subprocess.run([sys.executable, "-c", STEPS, mode], capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # glibc's defaults
+    done = subprocess.run([sys.executable, "-c", STEPS, mode], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     return int(done.stdout.strip())
 
