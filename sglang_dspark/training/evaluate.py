@@ -110,14 +110,15 @@ def position_stats(records: list[RoundRecord], gamma: int) -> dict:
     says nothing about the positions it never verified). Conditional acceptance at k is the share
     of those rounds that accepted k-1 drafts which also accepted the k-th: a probability, unlike
     the ratio of two survivals measured on different rounds."""
-    survival, conditional = [], []
+    survival, conditional, verified = [], [], []
     for k in range(1, gamma + 1):
         eligible = [r for r in records if r.verified_length >= k]
-        reached = [r for r in eligible if r.accepted_length >= k - 1]
-        survival.append(_share(sum(r.accepted_length >= k for r in eligible), len(eligible)))
-        conditional.append(_share(sum(r.accepted_length >= k for r in reached), len(reached)))
-    return {"prefix_survival": survival, "conditional_acceptance": conditional,
-            "rounds_per_position": [sum(r.verified_length >= k for r in records) for k in range(1, gamma + 1)]}
+        reached = sum(r.accepted_length >= k - 1 for r in eligible)
+        accepted = sum(r.accepted_length >= k for r in eligible)  # all of them among `reached`
+        survival.append(_share(accepted, len(eligible)))
+        conditional.append(_share(accepted, reached))
+        verified.append(len(eligible))
+    return {"prefix_survival": survival, "conditional_acceptance": conditional, "rounds_per_position": verified}
 
 
 def calibration_data(records: list[RoundRecord]) -> CalibrationData | None:
