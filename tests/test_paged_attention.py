@@ -9,6 +9,7 @@ import pytest
 import torch
 from kv_fakes import FakeKVPool
 
+from sglang_dspark.runtime import cpu_flags
 from sglang_dspark.kernels_cpu import cpu_attention
 from sglang_dspark.kernels_cpu.paged_attention import KeyLayout, LayoutPerForward, kernel_fits, paged_attention
 
@@ -106,6 +107,7 @@ def _decode_batch(req_to_token, pool_rows, seq_lens):
                            out_cache_loc=torch.stack([req_to_token[r, n - 1] for r, n in zip(pool_rows, seq_lens)]).long())
 
 
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the kernel needs AVX-512F, which this CPU lacks")
 def test_the_decode_hook_writes_the_new_kv_and_attends_over_each_whole_sequence(monkeypatch):
     monkeypatch.delenv("DSPARK_CPU_ATTENTION", raising=False)
     cpu_attention.kernel_enabled.cache_clear()

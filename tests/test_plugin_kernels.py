@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sglang_dspark.runtime import cpu_flags
 from sglang_dspark.kernels_cpu.ops import assign_req_to_token_pool_cpu, copy_all_layer_kv_cache_cpu
 
 
@@ -340,6 +341,7 @@ def test_pack_panels_refuses_what_the_kernel_cannot_read():
             pack_panels(bad)
 
 
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the kernel needs AVX-512F, which this CPU lacks")
 def test_a_fresh_cache_builds_the_kernel_once_and_reuses_it(tmp_path):
     """What a new machine does on the first server start: compile into $DSPARK_CACHE/kernels/,
     then load the same library in the next process without compiling again."""

@@ -17,7 +17,7 @@ from sglang_dspark.training.data import (
 
 @pytest.fixture(scope="module")
 def code_domain() -> tuple[list[str], dict]:
-    return domain_prompts("code", seed=0)  # parses the standard library twice: ~10 s
+    return domain_prompts("code", seed=0)  # parses the standard library twice, so once per module
 
 
 @pytest.fixture(scope="module")
