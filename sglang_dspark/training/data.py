@@ -150,13 +150,9 @@ def stdlib_function_prompts(limit: int) -> list[tuple[str, str]]:
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef) or (summary := _summary(node)) is None:
                 continue
-            signature = f"def {node.name}({ast.unparse(node.args)}):"
-            prompt = (
-                f"Write the Python function `{node.name}` from the `{path.stem}` module.\n"
-                f"```python\n{signature}\n    \"\"\"{summary}\"\"\"\n```"
-            )
-            reference = ast.get_source_segment(source, node) or ""
-            prompts.append((prompt, f"```python\n{reference}\n```"))
+            prompts.append(_coding_task(f"Write the Python function `{node.name}` from the `{path.stem}` module.",
+                                        f"{_signature(node)}\n    \"\"\"{summary}\"\"\"",
+                                        ast.get_source_segment(source, node) or ""))
             if len(prompts) >= limit:
                 return prompts
     return prompts
@@ -175,14 +171,20 @@ def stdlib_method_prompts() -> list[tuple[str, str]]:
             for node in owner.body:
                 if not isinstance(node, ast.FunctionDef) or (summary := _summary(node)) is None:
                     continue
-                signature = f"def {node.name}({ast.unparse(node.args)}):"
-                prompt = (
-                    f"Write the method `{owner.name}.{node.name}` of the `{path.stem}` module.\n"
-                    f"```python\nclass {owner.name}:\n    {signature}\n        {_docstring(summary)}\n```"
-                )
-                reference = _outdented(ast.get_source_segment(source, node) or "", node.col_offset)
-                prompts.append((prompt, f"```python\n{reference}\n```"))
+                prompts.append(_coding_task(
+                    f"Write the method `{owner.name}.{node.name}` of the `{path.stem}` module.",
+                    f"class {owner.name}:\n    {_signature(node)}\n        {_docstring(summary)}",
+                    _outdented(ast.get_source_segment(source, node) or "", node.col_offset)))
     return prompts
+
+
+def _signature(node: ast.FunctionDef) -> str:
+    return f"def {node.name}({ast.unparse(node.args)}):"
+
+
+def _coding_task(task: str, stub: str, reference: str) -> tuple[str, str]:
+    """(prompt, reference answer): the task above the stub, each answer in a ``python`` code block."""
+    return f"{task}\n```python\n{stub}\n```", f"```python\n{reference}\n```"
 
 
 def _outdented(segment: str, column: int) -> str:
