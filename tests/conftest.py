@@ -110,18 +110,17 @@ def one_torch_thread():
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A test of the plugin's C++ kernels reports *skipped*, with the reason, where the kernel
-    refuses to load because this CPU lacks AVX-512F (an AVX2-only EPYC, for one): the kernels need
-    it, and the server serves on its torch paths there. Any other failure stays a failure."""
+    refuses to load because this CPU has neither AVX-512F nor AVX2 with FMA: the kernels need one
+    of them, and the server serves on its torch paths there. Any other failure stays a failure."""
     outcome = yield
     report = outcome.get_result()
-    if call.excinfo is not None and report.failed and _lacks_avx512(call.excinfo):
+    if call.excinfo is not None and report.failed and _lacks_vector_isa(call.excinfo):
         report.outcome = "skipped"
         report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {call.excinfo.value}")
 
 
-def _lacks_avx512(excinfo) -> bool:
-    from sglang_dspark.kernels_cpu.build import KernelUnavailable
-    from sglang_dspark.runtime import cpu_flags
+def _lacks_vector_isa(excinfo) -> bool:
+    from sglang_dspark.kernels_cpu.build import KernelUnavailable, vector_isa_supported
 
-    return (excinfo.errisinstance(KernelUnavailable) and "avx512f" not in cpu_flags()
-            and "AVX-512F" in str(excinfo.value))
+    return (excinfo.errisinstance(KernelUnavailable) and not vector_isa_supported()
+            and "neither AVX-512F nor AVX2" in str(excinfo.value))

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from sglang_dspark.runtime import cpu_flags
+from sglang_dspark.kernels_cpu.build import vector_isa_supported
 
 pytestmark = pytest.mark.server
 
@@ -97,7 +97,7 @@ def test_a_prefix_served_by_the_radix_cache_seeds_the_drafter_from_the_tap_store
         "a cached prefix left the drafter without its context")
 
 
-@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="needs the plugin's CPU kernels (AVX-512F), which this CPU lacks: without them verify rows round differently from decode rows in bf16")
+@pytest.mark.skipif(not vector_isa_supported(), reason="needs the plugin's CPU kernels (AVX-512F or AVX2 + FMA), which this CPU lacks: without them verify rows round differently from decode rows in bf16")
 def test_bfloat16_greedy_output_equals_plain_bfloat16_serving_bit_for_bit(server_pool):
     """In bf16 every rounding shows: verify rows must attend, normalise and multiply exactly like
     the one-token decode steps they stand for (the plugin's kernels do), or greedy answers drift
@@ -110,7 +110,7 @@ def test_bfloat16_greedy_output_equals_plain_bfloat16_serving_bit_for_bit(server
     assert sum(out["meta_info"]["spec_accept_length"] for out in got) / len(got) > 1.2, "drafts were not accepted"
 
 
-@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the plugin's CPU kernels need AVX-512F, which this CPU lacks")
+@pytest.mark.skipif(not vector_isa_supported(), reason="the plugin's CPU kernels need AVX-512F or AVX2 + FMA, which this CPU lacks")
 def test_plain_and_speculative_cpu_servers_get_the_same_cpu_kernels(servers):
     """The plugin lays out the target's weights and routes decode/verify attention, RMSNorm and
     rotary embedding through its kernels in every CPU server it is loaded into, plain ones

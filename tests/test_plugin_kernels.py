@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sglang_dspark.runtime import cpu_flags
+from sglang_dspark.kernels_cpu import build
+from sglang_dspark.kernels_cpu.build import vector_isa_supported
 from sglang_dspark.kernels_cpu.ops import assign_req_to_token_pool_cpu, copy_all_layer_kv_cache_cpu
 
 
@@ -341,7 +345,7 @@ def test_pack_panels_refuses_what_the_kernel_cannot_read():
             pack_panels(bad)
 
 
-@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the kernel needs AVX-512F, which this CPU lacks")
+@pytest.mark.skipif(not vector_isa_supported(), reason="the kernel needs AVX-512F or AVX2 + FMA, which this CPU lacks")
 def test_a_fresh_cache_builds_the_kernel_once_and_reuses_it(tmp_path):
     """What a new machine does on the first server start: compile into $DSPARK_CACHE/kernels/,
     then load the same library in the next process without compiling again."""
@@ -387,3 +391,26 @@ def test_dspark_ctl_bench_gemm_refuses_an_unknown_dtype_or_row_count():
         result = CliRunner().invoke(app, ["bench", "gemm", *arguments])
         assert result.exit_code == 2, result.output
         assert message in result.output
+
+
+def test_the_kernels_need_avx512f_or_avx2_with_fma():
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the kernels are x86-64 only")
+    assert vector_isa_supported({"avx512f"}) and vector_isa_supported({"avx2", "fma", "sse4_2"})
+    assert not vector_isa_supported({"avx2"}), "AVX2 without FMA cannot run the kernels' fused multiply-adds"
+    assert not vector_isa_supported({"avx", "sse4_2"})
+
+
+@pytest.mark.parametrize("march", ["haswell", "skylake-avx512"])
+def test_every_kernel_source_compiles_for_both_vector_isas(march):
+    """`simd16.h` gives each kernel an AVX-512 and an AVX2 build, and a machine only builds the one
+    it runs: the other must still compile, wherever the suite runs."""
+    compiler = os.environ.get("CXX") or shutil.which("g++")
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs g++ on x86-64")
+    sources = sorted((Path(build.__file__).parent).glob("*.cpp"))
+    assert len(sources) >= 5
+    for source in sources:
+        result = subprocess.run([compiler, "-fsyntax-only", f"-march={march}", "-fopenmp", str(source)],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, f"{source.name} for {march}: {result.stderr[:2000]}"

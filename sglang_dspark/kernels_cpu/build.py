@@ -28,7 +28,13 @@ logger = logging.getLogger(__name__)
 
 
 class KernelUnavailable(RuntimeError):
-    """A kernel cannot run here (no AVX-512F, no compiler, or the build failed); says which."""
+    """A kernel cannot run here (neither AVX-512F nor AVX2 + FMA, no compiler, or the build failed); says which."""
+
+
+def vector_isa_supported(flags: set[str] | None = None) -> bool:
+    """Whether the kernels build here: an x86-64 CPU with AVX-512F, or with AVX2 and FMA."""
+    flags = cpu_flags() if flags is None else flags
+    return platform.machine() in ("x86_64", "AMD64") and ("avx512f" in flags or {"avx2", "fma"} <= flags)
 
 
 def _compiler() -> str:
@@ -53,9 +59,10 @@ def load_library(source: Path, signatures: dict[str, list] | None = None) -> cty
     """The compiled `source` (built into the cache if absent), its `signatures` (function name ->
     ctypes argument types, returning void) declared; raises `KernelUnavailable`.
 
-    The kernels use AVX-512F intrinsics, so a CPU without them gets the reason, not a crash."""
-    if platform.machine() not in ("x86_64", "AMD64") or "avx512f" not in cpu_flags():
-        raise KernelUnavailable("the CPU lacks AVX-512F")
+    The kernels use AVX-512F or AVX2 + FMA intrinsics (`simd16.h`), so another CPU gets the reason,
+    not a crash."""
+    if not vector_isa_supported():
+        raise KernelUnavailable("the CPU has neither AVX-512F nor AVX2 with FMA")
     headers = b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))  # what it includes
     key = hashlib.sha256(source.read_bytes() + headers + str(sorted(cpu_flags())).encode())
     library = cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"

@@ -8,8 +8,8 @@ same bits. Layers the kernel does not fit (sliding window, cross attention, othe
 dtypes) keep SGLang's own decode.
 
 `DSPARK_CPU_ATTENTION`: `kernel` (default) or `sdpa` (SGLang's decode; DSPARK_LIVE verifies with
-SDPA over gathered keys). Where the kernel cannot be built (no AVX-512F or no compiler) the server
-logs why once and serves as with `sdpa`.
+SDPA over gathered keys). Where the kernel cannot be built (no AVX-512F or AVX2 + FMA, or no
+compiler) the server logs why once and serves as with `sdpa`.
 """
 
 from __future__ import annotations

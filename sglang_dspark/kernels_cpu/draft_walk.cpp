@@ -12,7 +12,6 @@
 // The sampled walk draws x_k from softmax(scores * scale) instead (scale = 1 / temperature, one
 // uniform per slot, an inverse CDF over 16-column chunks) and writes that distribution, which
 // rejection sampling needs as p_d.
-#include <immintrin.h>
 #include <stdint.h>
 
 #include <cmath>
@@ -20,6 +19,7 @@
 #include <vector>
 
 #include "simd_math.h"
+#include "simd16.h"
 
 namespace {
 
@@ -87,34 +87,28 @@ int64_t argmax_scores(const float* scores, int64_t n) {
   return best;
 }
 
-inline __mmask16 lanes_of(int64_t n, int64_t start) {
-  const int64_t left = n - start;
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-}
-
 // A draw from softmax(scores * scale) with uniform u; that distribution goes to probs[0, n).
 int64_t sample_scores(const float* scores, int64_t n, float scale, double u, float* probs) {
-  __m512 best = _mm512_set1_ps(-INFINITY);
+  vec16 best = vset1(-INFINITY);
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 mask = lanes_of(n, j);
-    best = _mm512_mask_max_ps(best, mask, best, _mm512_maskz_loadu_ps(mask, scores + j));
+    const lanemask mask = first_lanes(n - j);
+    best = vselect(mask, vmax(best, vload_masked(mask, scores + j)), best);
   }
-  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+  const vec16 max = vset1(vreduce_max(best));
   double total = 0.0;  // e_j = exp((s_j - max) scale), 0 below e^-87; chunk sums in a fixed order
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 mask = lanes_of(n, j);
-    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + j), max), _mm512_set1_ps(scale));
-    const __m512 e = _mm512_maskz_mov_ps(mask & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ),
-                                         exp_nonpositive(x));
-    _mm512_mask_storeu_ps(probs + j, mask, e);
-    total += _mm512_reduce_add_ps(e);
+    const lanemask mask = first_lanes(n - j);
+    const vec16 x = vmul(vsub(vload_masked(mask, scores + j), max), vset1(scale));
+    const vec16 e = vselect(mask & vge(x, vset1(-87.0f)), exp_nonpositive(x), vzero());
+    vstore_masked(probs + j, mask, e);
+    total += vreduce_add(e);
   }
   const double target = u * total;
   double before = 0.0;
   int64_t chosen = -1, last_with_mass = 0;
   for (int64_t j = 0; j < n && chosen < 0; j += 16) {
-    const __m512 e = _mm512_maskz_loadu_ps(lanes_of(n, j), probs + j);
-    const double sum = _mm512_reduce_add_ps(e);
+    const vec16 e = vload_masked(first_lanes(n - j), probs + j);
+    const double sum = vreduce_add(e);
     if (sum <= 0.0) continue;
     if (before + sum > target) {  // this chunk: its columns in order
       double running = before;

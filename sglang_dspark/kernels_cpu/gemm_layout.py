@@ -14,7 +14,8 @@ row-major `[out, in]`. Two changes, applied after the model loads (`after_load_m
    of 3x). The drafter's linears get panels too, where they are the faster path on this CPU
    (`add_linear_panels`, `fastest_panel_rows`).
    Twice the linear weights in memory, skipped when that would take over a quarter of the
-   available memory, and when the kernel cannot run here (no AVX-512F or no compiler: logged,
+   available memory, and when the kernel cannot run here (no AVX-512F or AVX2 + FMA, or no
+   compiler: logged,
    the BLAS layouts alone then serve).
 
 This is a property of the engine, not of speculation: the plugin applies it in every CPU server

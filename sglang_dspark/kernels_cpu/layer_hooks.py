@@ -5,7 +5,8 @@ fit (a variance or dtype override, a float32 residual, a GPT-J rotary, offsets, 
 goes to SGLang's own `forward_native` unchanged.
 
 `DSPARK_CPU_LAYER_OPS`: `kernel` (default) or `torch` (SGLang's ops). Where the kernels cannot be
-built (no AVX-512F or no compiler) the server logs why once and serves as with `torch`.
+built (no AVX-512F or AVX2 + FMA, or no compiler) the server logs why once and serves as with
+`torch`.
 """
 
 from __future__ import annotations

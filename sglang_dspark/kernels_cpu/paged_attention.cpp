@@ -9,53 +9,35 @@
 // the number of rows, heads or threads: a verify row gets the bits of the one-token decode that
 // would have seen the same keys. Scores, softmax and the weighted sum are float32; the output is
 // rounded once (bfloat16: to nearest even, as torch does). The query is scaled before the dot
-// products, and e^x is a fixed polynomial (`simd_math.h`), so results differ from torch's SDPA in the last bits.
-#include <immintrin.h>
+// products, and e^x is a fixed polynomial (`simd16.h`), so results differ from torch's SDPA in the last bits.
 #include <stdint.h>
 
 #include <cmath>
 #include <cstring>
 #include <vector>
 
-#include "simd_math.h"
+#include "simd16.h"
 
 namespace {
 
 constexpr int kLanes = 16;
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-inline void store16(float* p, __m512 values) { _mm512_storeu_ps(p, values); }
-
-inline void store16(uint16_t* p, __m512 values) {
-  const __m512i bits = _mm512_castps_si512(values);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
-}
-
 // Softmax weights of one head in place; returns their sum. Fixed order for a given count.
 inline float softmax_weights(float* scores, int64_t count) {
-  __m512 best = _mm512_set1_ps(-INFINITY);
+  vec16 best = vset1(-INFINITY);
   for (int64_t j = 0; j < count; j += kLanes) {
-    const __mmask16 mask = count - j >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (count - j)) - 1);
-    best = _mm512_mask_max_ps(best, mask, best, _mm512_maskz_loadu_ps(mask, scores + j));
+    const lanemask mask = first_lanes(count - j);
+    best = vselect(mask, vmax(best, vload_masked(mask, scores + j)), best);
   }
-  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(best));
-  __m512 total = _mm512_setzero_ps();
+  const vec16 shift = vset1(vreduce_max(best));
+  vec16 total = vzero();
   for (int64_t j = 0; j < count; j += kLanes) {
-    const __mmask16 mask = count - j >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (count - j)) - 1);
-    const __m512 weights = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + j), shift));
-    _mm512_mask_storeu_ps(scores + j, mask, weights);
-    total = _mm512_mask_add_ps(total, mask, total, weights);
+    const lanemask mask = first_lanes(count - j);
+    const vec16 weights = exp_nonpositive(vsub(vload_masked(mask, scores + j), shift));
+    vstore_masked(scores + j, mask, weights);
+    total = vselect(mask, vadd(total, weights), total);
   }
-  return _mm512_reduce_add_ps(total);
+  return vreduce_add(total);
 }
 
 // The `group` query heads of one row that share a KV head: each key and value row is loaded once
@@ -64,36 +46,36 @@ template <typename T, int chunks, int group>
 void attend_group(const T* q, int64_t q_stride_h, const T* k, const T* v, int64_t kv_stride_s,
                   const int32_t* slots, int64_t count, T* out, int64_t out_stride_h, float scale,
                   std::vector<float>& scores) {
-  __m512 query[group][chunks];
+  vec16 query[group][chunks];
   for (int h = 0; h < group; ++h)
-    for (int c = 0; c < chunks; ++c) query[h][c] = _mm512_mul_ps(load16(q + h * q_stride_h + c * kLanes), _mm512_set1_ps(scale));
+    for (int c = 0; c < chunks; ++c) query[h][c] = vmul(vload(q + h * q_stride_h + c * kLanes), vset1(scale));
   scores.resize(static_cast<size_t>(group * count));
   for (int64_t j = 0; j < count; ++j) {
     const T* key = k + static_cast<int64_t>(slots[j]) * kv_stride_s;
-    __m512 key_chunks[chunks];
-    for (int c = 0; c < chunks; ++c) key_chunks[c] = load16(key + c * kLanes);
+    vec16 key_chunks[chunks];
+    for (int c = 0; c < chunks; ++c) key_chunks[c] = vload(key + c * kLanes);
     for (int h = 0; h < group; ++h) {
-      __m512 dot = _mm512_mul_ps(query[h][0], key_chunks[0]);
-      for (int c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(query[h][c], key_chunks[c], dot);
-      scores[h * count + j] = _mm512_reduce_add_ps(dot);
+      vec16 dot = vmul(query[h][0], key_chunks[0]);
+      for (int c = 1; c < chunks; ++c) dot = vfmadd(query[h][c], key_chunks[c], dot);
+      scores[h * count + j] = vreduce_add(dot);
     }
   }
   float inverse[group];
   for (int h = 0; h < group; ++h) inverse[h] = 1.0f / softmax_weights(scores.data() + h * count, count);
-  __m512 acc[group][chunks];
+  vec16 acc[group][chunks];
   for (int h = 0; h < group; ++h)
-    for (int c = 0; c < chunks; ++c) acc[h][c] = _mm512_setzero_ps();
+    for (int c = 0; c < chunks; ++c) acc[h][c] = vzero();
   for (int64_t j = 0; j < count; ++j) {
     const T* value = v + static_cast<int64_t>(slots[j]) * kv_stride_s;
     for (int c = 0; c < chunks; ++c) {
-      const __m512 value_chunk = load16(value + c * kLanes);
+      const vec16 value_chunk = vload(value + c * kLanes);
       for (int h = 0; h < group; ++h)
-        acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * count + j]), value_chunk, acc[h][c]);
+        acc[h][c] = vfmadd(vset1(scores[h * count + j]), value_chunk, acc[h][c]);
     }
   }
   for (int h = 0; h < group; ++h)
     for (int c = 0; c < chunks; ++c)
-      store16(out + h * out_stride_h + c * kLanes, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inverse[h])));
+      vstore(out + h * out_stride_h + c * kLanes, vmul(acc[h][c], vset1(inverse[h])));
 }
 
 template <typename T, int chunks, int group>

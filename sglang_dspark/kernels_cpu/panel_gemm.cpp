@@ -1,18 +1,20 @@
 // y[M,N] = x[M,K] @ W[N,K]^T for small M, with W packed once into 32-column panels [P][K][32]
 // (float32, or bfloat16 widened to float32 in registers). Each panel is streamed from memory once
-// per call and reused from L2 for every 8 rows of x, so 1-16 rows cost about what one row costs.
+// per call and reused from L2 for every 8 rows of x (4 with AVX2, which has half the registers),
+// so 1-16 rows cost about what one row costs.
 // Every output element sums over k in the same order whatever M is: a row's result does not
 // depend on the rows beside it (a verify window reproduces the one-token decode bit for bit).
 // On a CPU with AMX (built with -march=native there), bfloat16 weights whose K is a multiple of 32
 // are packed instead as [P][K/2][32][2] (pairs of consecutive k per column) and multiplied on the tiles:
 // 16 rows x 32 columns per pass, k in steps of 32. Each output element still sums over k in the
 // same order whatever M is, so rows stay independent of each other.
-#include <immintrin.h>
 #include <stdint.h>
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
+
+#include "simd16.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -22,60 +24,41 @@
 
 namespace {
 
-constexpr int kPanel = 32;        // output columns per panel: two 16-lane registers
-constexpr int kRowsPerPass = 8;   // rows of x per pass over a panel: 16 accumulators
+constexpr int kPanel = 32;        // output columns per panel: two 16-lane vectors
+constexpr int kRowsPerPass = kAvx512 ? 8 : 4;  // rows of x per pass over a panel: 16 accumulator registers
 constexpr int kPrefetchRows = 32; // prefetch this many panel rows (k) ahead
 
-inline void load_weights(const float* panel, int64_t k, __m512& w0, __m512& w1) {
-  w0 = _mm512_loadu_ps(panel + k * kPanel);
-  w1 = _mm512_loadu_ps(panel + k * kPanel + 16);
+inline void load_weights(const float* panel, int64_t k, vec16& w0, vec16& w1) {
+  w0 = vload(panel + k * kPanel);
+  w1 = vload(panel + k * kPanel + 16);
 }
 
-inline void load_weights(const uint16_t* panel, int64_t k, __m512& w0, __m512& w1) {
-  const __m512i raw = _mm512_loadu_si512(panel + k * kPanel);
-  w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
-  w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
-}
-
-inline void store(float* y, int64_t offset, __mmask16 mask, __m512 values) {
-  _mm512_mask_storeu_ps(y + offset, mask, values);
-}
-
-// float32 -> bfloat16, rounding to nearest even, NaN -> 0x7FC0: what torch's .to(bfloat16) does.
-inline void store(uint16_t* y, int64_t offset, __mmask16 mask, __m512 values) {
-  const __m512i bits = _mm512_castps_si512(values);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(y + offset, mask, _mm512_cvtepi32_epi16(rounded));
-}
-
-// The first `cols` of 16 lanes (none for cols <= 0): a panel's last columns may lie past N.
-inline __mmask16 column_mask(int cols) {
-  return cols >= 16 ? 0xFFFF : cols <= 0 ? 0 : static_cast<__mmask16>((1u << cols) - 1);
+inline void load_weights(const uint16_t* panel, int64_t k, vec16& w0, vec16& w1) {
+  w0 = vload(panel + k * kPanel);
+  w1 = vload(panel + k * kPanel + 16);
 }
 
 template <int M, typename W, typename Y>
 inline void panel_pass(const float* x, int64_t K, const W* panel, Y* y, int64_t N, int cols) {
-  __m512 acc0[M], acc1[M];
+  vec16 acc0[M], acc1[M];
   for (int m = 0; m < M; ++m) {
-    acc0[m] = _mm512_setzero_ps();
-    acc1[m] = _mm512_setzero_ps();
+    acc0[m] = vzero();
+    acc1[m] = vzero();
   }
   for (int64_t k = 0; k < K; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchRows) * kPanel), _MM_HINT_T0);
-    __m512 w0, w1;
+    vec16 w0, w1;
     load_weights(panel, k, w0, w1);
     for (int m = 0; m < M; ++m) {
-      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
-      acc0[m] = _mm512_fmadd_ps(xb, w0, acc0[m]);
-      acc1[m] = _mm512_fmadd_ps(xb, w1, acc1[m]);
+      const vec16 xb = vset1(x[m * K + k]);
+      acc0[m] = vfmadd(xb, w0, acc0[m]);
+      acc1[m] = vfmadd(xb, w1, acc1[m]);
     }
   }
-  const __mmask16 mask0 = column_mask(cols), mask1 = column_mask(cols - 16);
+  const lanemask mask0 = first_lanes(cols), mask1 = first_lanes(cols - 16);
   for (int m = 0; m < M; ++m) {
-    store(y, m * N, mask0, acc0[m]);
-    store(y, m * N + 16, mask1, acc1[m]);
+    vstore_masked(y + m * N, mask0, acc0[m]);
+    vstore_masked(y + m * N + 16, mask1, acc1[m]);
   }
 }
 
@@ -137,9 +120,8 @@ void configure_tiles(int rows) {
 }
 
 inline void store_row(const float* acc, uint16_t* y, int cols) {
-  const __mmask16 mask0 = column_mask(cols), mask1 = column_mask(cols - 16);
-  store(y, 0, mask0, _mm512_loadu_ps(acc));
-  store(y, 16, mask1, _mm512_loadu_ps(acc + 16));
+  vstore_masked(y, first_lanes(cols), vload(acc));
+  vstore_masked(y + 16, first_lanes(cols - 16), vload(acc + 16));
 }
 
 // x: M x K bfloat16, K a multiple of kTileK; panels [P][K/2][32][2]; y: M x N bfloat16.

@@ -6,7 +6,6 @@
 // one the sampler draws from. Z sums each 16-column chunk in a fixed order (float32), then the
 // chunks in order (float64); sampling walks the same chunk sums to the chunk holding u * Z and then
 // that chunk's columns in order (the last column with mass if rounding leaves u * Z past them).
-#include <immintrin.h>
 #include <stdint.h>
 
 #include <cmath>
@@ -14,37 +13,33 @@
 #include <vector>
 
 #include "simd_math.h"
+#include "simd16.h"
 
 namespace {
 
 constexpr int kLanes = 16;
 
-inline __mmask16 lanes_of(int64_t cols, int64_t start) {
-  const int64_t left = cols - start;
-  return left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-}
-
 // e of the chunk starting at `start` (lanes past the row are 0).
-inline __m512 chunk_e(const float* row, int64_t cols, int64_t start, float max, float scale) {
-  const __mmask16 mask = lanes_of(cols, start);
-  const __m512 logits = _mm512_maskz_loadu_ps(mask, row + start);
-  const __m512 x = _mm512_mul_ps(_mm512_sub_ps(logits, _mm512_set1_ps(max)), _mm512_set1_ps(scale));
-  const __mmask16 live = mask & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  return _mm512_maskz_mov_ps(live, exp_nonpositive(x));
+inline vec16 chunk_e(const float* row, int64_t cols, int64_t start, float max, float scale) {
+  const lanemask mask = first_lanes(cols - start);
+  const vec16 logits = vload_masked(mask, row + start);
+  const vec16 x = vmul(vsub(logits, vset1(max)), vset1(scale));
+  const lanemask live = mask & vge(x, vset1(-87.0f));
+  return vselect(live, exp_nonpositive(x), vzero());
 }
 
 float row_max(const float* row, int64_t cols) {
-  __m512 best = _mm512_set1_ps(-INFINITY);
+  vec16 best = vset1(-INFINITY);
   for (int64_t j = 0; j < cols; j += kLanes) {
-    const __mmask16 mask = lanes_of(cols, j);
-    best = _mm512_mask_max_ps(best, mask, best, _mm512_maskz_loadu_ps(mask, row + j));
+    const lanemask mask = first_lanes(cols - j);
+    best = vselect(mask, vmax(best, vload_masked(mask, row + j)), best);
   }
-  return _mm512_reduce_max_ps(best);
+  return vreduce_max(best);
 }
 
 double row_total(const float* row, int64_t cols, float max, float scale) {
   double total = 0.0;
-  for (int64_t j = 0; j < cols; j += kLanes) total += _mm512_reduce_add_ps(chunk_e(row, cols, j, max, scale));
+  for (int64_t j = 0; j < cols; j += kLanes) total += vreduce_add(chunk_e(row, cols, j, max, scale));
   return total;
 }
 
@@ -55,11 +50,11 @@ int64_t inverse_cdf(int64_t cols, double target, Chunk values) {
   double before = 0.0;
   int64_t last_with_mass = 0;
   for (int64_t j = 0; j < cols; j += kLanes) {
-    const __m512 chunk = values(j);
-    const double sum = _mm512_reduce_add_ps(chunk);
+    const vec16 chunk = values(j);
+    const double sum = vreduce_add(chunk);
     if (sum > 0.0) {
       alignas(64) float lanes[kLanes];
-      _mm512_store_ps(lanes, chunk);
+      vstore(lanes, chunk);
       if (before + sum > target) {
         double running = before;
         for (int i = 0; i < kLanes && j + i < cols; ++i) {
@@ -103,7 +98,7 @@ void dspark_softmax_at(const float* logits, int64_t stride, int64_t cols, const 
     const int64_t i = at[k], column = columns[k];
     const int64_t start = column - column % kLanes;
     alignas(64) float lanes[kLanes];
-    _mm512_store_ps(lanes, chunk_e(logits + rows[i] * stride, cols, start, maxima[i], scale[i]));
+    vstore(lanes, chunk_e(logits + rows[i] * stride, cols, start, maxima[i], scale[i]));
     out[k] = lanes[column - start] * static_cast<float>(1.0 / totals[i]);
   }
 }
@@ -134,12 +129,12 @@ void dspark_sample_residual(const float* logits, int64_t stride, int64_t cols, c
     const float inverse_total = static_cast<float>(1.0 / totals[i]);
     for (int64_t d = 0; d < draft_count; ++d) draft[draft_columns[d]] = draft_values[k * draft_stride + d];
     auto residual = [&](int64_t j) {
-      const __m512 p = _mm512_mul_ps(chunk_e(row, cols, j, maxima[i], scale[i]), _mm512_set1_ps(inverse_total));
-      const __m512 q = _mm512_maskz_loadu_ps(lanes_of(cols, j), draft.data() + j);
-      return _mm512_max_ps(_mm512_sub_ps(p, q), _mm512_setzero_ps());
+      const vec16 p = vmul(chunk_e(row, cols, j, maxima[i], scale[i]), vset1(inverse_total));
+      const vec16 q = vload_masked(first_lanes(cols - j), draft.data() + j);
+      return vmax(vsub(p, q), vzero());
     };
     double mass = 0.0;
-    for (int64_t j = 0; j < cols; j += kLanes) mass += _mm512_reduce_add_ps(residual(j));
+    for (int64_t j = 0; j < cols; j += kLanes) mass += vreduce_add(residual(j));
     if (mass > eps) {
       out[k] = inverse_cdf(cols, uniforms[k] * mass, residual);
     } else {
