@@ -124,6 +124,8 @@ def test_the_cost_model_for_the_served_dtype_wins_over_the_generic_one(tmp_path,
     ("DSPARK_PLANNER", "production", "needs a cost model"),
     ("DSPARK_VERIFY_ATTENTION", "flash", "expected linear or native"),
     ("DSPARK_DRAFT_DTYPE", "int8", "expected one of auto, float32, bfloat16, float16"),
+    ("DSPARK_RECALIBRATE_EVERY", "10", "0 \\(never\\) or at least 64 rounds"),
+    ("DSPARK_RECALIBRATE_EVERY", "-1", "expected an integer >= 0"),
 ])
 def test_bad_knobs_fail_with_what_was_expected(tmp_path, monkeypatch, name, value, message):
     monkeypatch.setenv(name, value)

@@ -22,6 +22,9 @@
 Survivals a_k = prod_{i<=k} sigmoid(c_i / T_i) use the STS temperatures from `DSPARK_STS_PATH` or
 `<draft>/sts.json` (identity without one); greedy requests use `DSPARK_STS_GREEDY_PATH` or
 `<draft>/sts-greedy.json` when there is one (argmax match is not the sampled acceptance event).
+With the production planner, both are refitted on the server's own verify rounds every
+`DSPARK_RECALIBRATE_EVERY` rounds of their class, and a refit that calibrates better on held-out
+rounds takes over (`live_calibration`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from sglang_dspark.engine.live_calibration import LiveRecalibrator
 from sglang_dspark.engine.settings import LiveSettings
 
 if TYPE_CHECKING:
@@ -180,12 +184,15 @@ class VerifyPlanner:
         self.capacity_planner = None
         self.draft_costs = DraftCosts()
         self._sweep_step = 0
+        self.recalibrator = None
         if settings.planner == "production":
             from sglang_dspark.scheduling.cost_model import load_cost_model
             from sglang_dspark.scheduling.planner import EarlyStopPlanner
 
             self.capacity_planner = EarlyStopPlanner(load_cost_model(settings.sps_path), gamma=self.gamma,
                                                      explore_every=EXPLORE_EVERY, seed=settings.seed)
+            if settings.recalibrate_every:  # only this planner's decisions read survivals
+                self.recalibrator = LiveRecalibrator(self.gamma, settings.recalibrate_every, seed=settings.seed)
 
     def _load_calibration(self, path):
         """STS temperatures (and biases) from `path` cut to gamma, or None (no file)."""
@@ -294,6 +301,20 @@ class VerifyPlanner:
         if self.capacity_planner is not None:
             self.capacity_planner.observe(plan.step_shape, target_seconds)
             self.capacity_planner.record_step(len(plan.verify_lens), drafted, committed_tokens, step_seconds)
+
+    def observe_rounds(self, plan: Plan, num_accepted: torch.Tensor, greedy: torch.Tensor) -> None:
+        """A drafted step's verify outcomes (accepted drafts [B], greedy [B]) for live
+        recalibration: a refit that calibrates better on held-out rounds replaces the calibration
+        in force for its temperature class (`live_calibration`)."""
+        if self.recalibrator is None or plan.confidence_logits is None:
+            return
+        self.recalibrator.add(plan.confidence_logits, plan.verify_lens, num_accepted, greedy)
+        for kind in self.recalibrator.due():
+            if kind == "greedy":  # greedy rows use the sampled calibration until they have their own
+                refitted = self.recalibrator.refit(kind, self.greedy_calibration or self.calibration)
+                self.greedy_calibration = refitted or self.greedy_calibration
+            else:
+                self.calibration = self.recalibrator.refit(kind, self.calibration) or self.calibration
 
     def _shape(self, batch: int, drafts: int, context_lens: torch.Tensor) -> StepShape | None:
         if self.capacity_planner is None:

@@ -10,6 +10,7 @@ process, with a clear error for a bad value:
 | `DSPARK_SPS_PATH` | `<draft>/sps-<dtype>.json`, else `<draft>/sps.json`, if present | cost model JSON (`scheduling.load_cost_model`) |
 | `DSPARK_STS_PATH` | `<draft>/sts.json` if present | STS temperatures JSON (`calibration.StsCalibration`) |
 | `DSPARK_STS_GREEDY_PATH` | `<draft>/sts-greedy.json` if present | STS calibration for greedy requests (a greedy draft survives by argmax match, a different event from sampled acceptance, so one calibration does not fit both); without it greedy requests use `DSPARK_STS_PATH` |
+| `DSPARK_RECALIBRATE_EVERY` | 1024 | with the production planner, refit each temperature class's STS calibration on its last 4,096 served verify rounds every this many new rounds (twice as many after a refit that changed nothing, up to 16x), and keep the refit where it calibrates better on held-out rounds (`engine.live_calibration`); 0: never (the files stay in force) |
 | `DSPARK_RECORDS` | 2048 | per-step records kept in memory (bounded ring) |
 | `DSPARK_SEED` | 0 | seed of the drafter's and verifier's sampling generator |
 | `DSPARK_STEP_LOG` | unset | also append every step record as a JSON line to this file (benchmarks) |
@@ -25,9 +26,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from sglang_dspark.engine.live_calibration import MIN_ROUNDS
+
 PLANNER_MODES = ("all", "production", "fixed", "sweep")
 VERIFY_ATTENTION_MODES = ("linear", "native")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_RECALIBRATE_EVERY = 1024
 
 
 class SettingsError(ValueError):
@@ -50,6 +54,7 @@ class LiveSettings:
     step_log: Path | None = None
     draft_dtype: str = "auto"
     sts_greedy_path: Path | None = None
+    recalibrate_every: int = 0
 
     @property
     def verify_window(self) -> int:
@@ -101,6 +106,15 @@ def default_sps_file(draft_path: Path, dtype: str | None) -> Path:
         if specific.is_file():
             return specific
     return draft_path / "sps.json"
+
+
+def _recalibrate_every() -> int:
+    """`DSPARK_RECALIBRATE_EVERY`: rounds of a temperature class between live STS refits (0: never)."""
+    every = _int_env("DSPARK_RECALIBRATE_EVERY", DEFAULT_RECALIBRATE_EVERY, 0)
+    if 0 < every < MIN_ROUNDS:
+        raise SettingsError(f"DSPARK_RECALIBRATE_EVERY={every}: expected 0 (never) or at least {MIN_ROUNDS} rounds "
+                            "(a refit holds some out to compare with the calibration in force)")
+    return every
 
 
 def load_settings(draft_path: str | Path, dtype: str | None = None) -> LiveSettings:
@@ -156,4 +170,5 @@ def load_settings(draft_path: str | Path, dtype: str | None = None) -> LiveSetti
         verify_attention=verify_attention,
         prefix_cache=prefix_cache == "on",
         step_log=Path(os.environ["DSPARK_STEP_LOG"]) if os.environ.get("DSPARK_STEP_LOG") else None,
+        recalibrate_every=_recalibrate_every(),
     )

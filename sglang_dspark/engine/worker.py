@@ -391,6 +391,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             self.planner.draft_costs.catch_up_seconds(committed) if decision.draft else 0.0)
         self.planner.observe(plan, target_seconds=finished - drafted, step_seconds=steady_seconds,
                              committed_tokens=committed, drafted=decision.draft)
+        self.planner.observe_rounds(plan, num_accepted, params.greedy)
         no_head = [[] for _ in rids]  # a drafter without a confidence head predicts no survivals
         confidences = no_head if plan.confidence_logits is None else plan.confidence_logits.tolist()
         survivals = no_head if plan.survivals is None else plan.survivals.tolist()
