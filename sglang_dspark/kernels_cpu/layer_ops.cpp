@@ -4,13 +4,13 @@
 // Both work row by row, each row by one thread in a fixed order, so a row's result does not depend
 // on the rows beside it (a verify window reproduces the one-token decode bit for bit). Arithmetic
 // is float32, rounded once at the end (bfloat16: to nearest even, as torch does).
-#include <immintrin.h>
 #include <stdint.h>
 
 #include <cmath>
 #include <cstring>
 
 #include "simd_math.h"
+#include "simd16.h"
 
 namespace {
 
@@ -93,47 +93,42 @@ void head_norm_rope_rows(const T* x, int64_t x_stride, T* out, int64_t rows, int
   }
 }
 
-#ifdef __AVX512F__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const uint16_t* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-#endif
-
 // The index of a row's largest value, the first one on ties and the first NaN if any (as
-// torch.argmax). Each AVX-512 lane keeps its own first maximum; the lanes are then reduced to the
-// smallest index holding the overall maximum.
+// torch.argmax). Each of 16 lanes keeps its own first maximum and where it was (as a float: exact
+// below 2^24 columns); the lanes are then reduced to the smallest index holding the overall maximum.
 template <typename T>
 int64_t row_argmax(const T* row, int64_t cols) {
   int64_t i = 0;
   int64_t best_index = 0;
   float best = -INFINITY;
-#ifdef __AVX512F__
-  if (cols >= 16 && cols < (int64_t(1) << 31)) {
-    __m512 lane_max = _mm512_set1_ps(-INFINITY);
-    __m512i lane_index = _mm512_setzero_si512();
-    __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i sixteen = _mm512_set1_epi32(16);
-    __mmask16 nan_seen = 0;
+  if (cols >= 16 && cols < (int64_t(1) << 24)) {
+    vec16 lane_max = vset1(-INFINITY);
+    vec16 lane_index = vzero();
+    alignas(64) const float first[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vec16 index = vload(first);
+    const vec16 sixteen = vset1(16.0f);
+    lanemask nan_seen = 0;
     for (; i + 16 <= cols; i += 16) {
-      const __m512 v = load16(row + i);
-      nan_seen |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      const __mmask16 greater = _mm512_cmp_ps_mask(v, lane_max, _CMP_GT_OQ);
-      lane_max = _mm512_mask_mov_ps(lane_max, greater, v);
-      lane_index = _mm512_mask_mov_epi32(lane_index, greater, index);
-      index = _mm512_add_epi32(index, sixteen);
+      const vec16 v = vload(row + i);
+      nan_seen |= vnan(v);
+      const lanemask greater = vgt(v, lane_max);
+      lane_max = vselect(greater, v, lane_max);
+      lane_index = vselect(greater, index, lane_index);
+      index = vadd(index, sixteen);
     }
     if (nan_seen) {
       for (int64_t j = 0; j < i; ++j)
         if (std::isnan(load(row, j))) return j;
     }
-    best = _mm512_reduce_max_ps(lane_max);
-    const __mmask16 holds_best = _mm512_cmp_ps_mask(lane_max, _mm512_set1_ps(best), _CMP_EQ_OQ);
-    best_index = _mm512_mask_reduce_min_epi32(holds_best, lane_index);
+    alignas(64) float maxima[16], indices[16];
+    vstore(maxima, lane_max);
+    vstore(indices, lane_index);
+    best = vreduce_max(lane_max);
+    best_index = cols;
+    for (int lane = 0; lane < 16; ++lane)
+      if (maxima[lane] == best && static_cast<int64_t>(indices[lane]) < best_index)
+        best_index = static_cast<int64_t>(indices[lane]);
   }
-#endif
   for (; i < cols; ++i) {
     const float v = load(row, i);
     if (std::isnan(v)) return i;

@@ -46,6 +46,7 @@ inline vec16 vfnmadd(vec16 a, vec16 b, vec16 c) { return _mm512_fnmadd_ps(a, b, 
 inline float vreduce_add(vec16 v) { return _mm512_reduce_add_ps(v); }
 inline float vreduce_max(vec16 v) { return _mm512_reduce_max_ps(v); }
 inline lanemask vge(vec16 a, vec16 b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+inline lanemask vgt(vec16 a, vec16 b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
 inline lanemask vnan(vec16 a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
 // Lanes of `mask` from `a`, the others from `b`.
 inline vec16 vselect(lanemask mask, vec16 a, vec16 b) { return _mm512_mask_mov_ps(b, mask, a); }
@@ -120,6 +121,9 @@ inline lanemask bits_of(__m256 lo, __m256 hi) {
 }
 inline lanemask vge(vec16 a, vec16 b) {
   return bits_of(_mm256_cmp_ps(a.lo, b.lo, _CMP_GE_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_GE_OQ));
+}
+inline lanemask vgt(vec16 a, vec16 b) {
+  return bits_of(_mm256_cmp_ps(a.lo, b.lo, _CMP_GT_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_GT_OQ));
 }
 inline lanemask vnan(vec16 a) {
   return bits_of(_mm256_cmp_ps(a.lo, a.lo, _CMP_UNORD_Q), _mm256_cmp_ps(a.hi, a.hi, _CMP_UNORD_Q));
