@@ -279,6 +279,7 @@ def gemm(
     for the kernel (`sglang_dspark.kernels_cpu.panel_gemm`); random weights of the model's shapes,
     every layer streamed in turn as in serving, the two paths alternating."""
     row_counts = _parse_ints(rows, "--rows")
+    from sglang_dspark.kernels_cpu.build import vector_isa
     from sglang_dspark.kernels_cpu.gemm_bench import time_linears
     from sglang_dspark.kernels_cpu.panel_gemm import PanelKernelUnavailable
     from sglang_dspark.runtime import set_torch_threads
@@ -291,14 +292,16 @@ def gemm(
     except PanelKernelUnavailable as error:
         typer.echo(f"error: the panel kernel cannot run here: {error}", err=True)
         raise typer.Exit(code=1) from None
-    report = {"dtype": dtype, "threads": threads, "repeats": repeats, "timings": [t.to_json() for t in timings]}
+    isa = vector_isa()
+    report = {"dtype": dtype, "threads": threads, "repeats": repeats, "kernel_isa": isa,
+              "timings": [t.to_json() for t in timings]}
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"SmolLM2-135M linears + lm_head per forward, {dtype}, {threads} threads (ms)")
+    table = Table(title=f"SmolLM2-135M linears + lm_head per forward, {dtype}, {threads} threads, {isa} panels (ms)")
     for column in ("rows", "BLAS", "panels", "BLAS / panels"):
         table.add_column(column, justify="right")
     for t in timings:

@@ -399,6 +399,7 @@ def test_the_kernels_need_avx512f_or_avx2_with_fma():
     assert vector_isa_supported({"avx512f"}) and vector_isa_supported({"avx2", "fma", "sse4_2"})
     assert not vector_isa_supported({"avx2"}), "AVX2 without FMA cannot run the kernels' fused multiply-adds"
     assert not vector_isa_supported({"avx", "sse4_2"})
+    assert build.vector_isa({"avx512f", "avx2", "fma"}) == "avx512" and build.vector_isa({"avx2", "fma"}) == "avx2"
 
 
 @pytest.mark.parametrize("march", ["haswell", "skylake-avx512"])

@@ -31,10 +31,20 @@ class KernelUnavailable(RuntimeError):
     """A kernel cannot run here (neither AVX-512F nor AVX2 + FMA, no compiler, or the build failed); says which."""
 
 
+def vector_isa(flags: set[str] | None = None) -> str | None:
+    """The build the kernels get on a CPU with these feature flags (default: this one's): `avx512`
+    (AVX-512F), `avx2` (AVX2 and FMA), or None where they cannot run (not x86-64, or neither)."""
+    flags = cpu_flags() if flags is None else flags
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else None
+
+
 def vector_isa_supported(flags: set[str] | None = None) -> bool:
     """Whether the kernels build here: an x86-64 CPU with AVX-512F, or with AVX2 and FMA."""
-    flags = cpu_flags() if flags is None else flags
-    return platform.machine() in ("x86_64", "AMD64") and ("avx512f" in flags or {"avx2", "fma"} <= flags)
+    return vector_isa(flags) is not None
 
 
 def _compiler() -> str:
