@@ -28,12 +28,9 @@ constexpr int kPanel = 32;        // output columns per panel: two 16-lane vecto
 constexpr int kRowsPerPass = kAvx512 ? 8 : 4;  // rows of x per pass over a panel: 16 accumulator registers
 constexpr int kPrefetchRows = 32; // prefetch this many panel rows (k) ahead
 
-inline void load_weights(const float* panel, int64_t k, vec16& w0, vec16& w1) {
-  w0 = vload(panel + k * kPanel);
-  w1 = vload(panel + k * kPanel + 16);
-}
-
-inline void load_weights(const uint16_t* panel, int64_t k, vec16& w0, vec16& w1) {
+// Panel row k's 32 weights as float32 (bfloat16 panels are widened by `vload`).
+template <typename W>
+inline void load_weights(const W* panel, int64_t k, vec16& w0, vec16& w1) {
   w0 = vload(panel + k * kPanel);
   w1 = vload(panel + k * kPanel + 16);
 }
@@ -72,7 +69,7 @@ inline void rows_pass(int rows, const float* x, int64_t K, const W* panel, Y* y,
     case 5: panel_pass<5>(x, K, panel, y, N, cols); break;
     case 6: panel_pass<6>(x, K, panel, y, N, cols); break;
     case 7: panel_pass<7>(x, K, panel, y, N, cols); break;
-    default: panel_pass<8>(x, K, panel, y, N, cols); break;
+    default: panel_pass<kRowsPerPass>(x, K, panel, y, N, cols); break;  // rows never exceed kRowsPerPass
   }
 }
 
