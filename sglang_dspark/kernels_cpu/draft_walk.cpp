@@ -89,12 +89,7 @@ int64_t argmax_scores(const float* scores, int64_t n) {
 
 // A draw from softmax(scores * scale) with uniform u; that distribution goes to probs[0, n).
 int64_t sample_scores(const float* scores, int64_t n, float scale, double u, float* probs) {
-  vec16 best = vset1(-INFINITY);
-  for (int64_t j = 0; j < n; j += 16) {
-    const lanemask mask = first_lanes(n - j);
-    best = vselect(mask, vmax(best, vload_masked(mask, scores + j)), best);
-  }
-  const vec16 max = vset1(vreduce_max(best));
+  const vec16 max = vset1(max_of(scores, n));
   double total = 0.0;  // e_j = exp((s_j - max) scale), 0 below e^-87; chunk sums in a fixed order
   for (int64_t j = 0; j < n; j += 16) {
     const lanemask mask = first_lanes(n - j);

@@ -24,12 +24,7 @@ constexpr int kLanes = 16;
 
 // Softmax weights of one head in place; returns their sum. Fixed order for a given count.
 inline float softmax_weights(float* scores, int64_t count) {
-  vec16 best = vset1(-INFINITY);
-  for (int64_t j = 0; j < count; j += kLanes) {
-    const lanemask mask = first_lanes(count - j);
-    best = vselect(mask, vmax(best, vload_masked(mask, scores + j)), best);
-  }
-  const vec16 shift = vset1(vreduce_max(best));
+  const vec16 shift = vset1(max_of(scores, count));
   vec16 total = vzero();
   for (int64_t j = 0; j < count; j += kLanes) {
     const lanemask mask = first_lanes(count - j);

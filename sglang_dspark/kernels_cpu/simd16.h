@@ -10,6 +10,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include <cmath>
 #include <cstring>
 
 #if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
@@ -170,6 +171,16 @@ inline void vstore_bf16_masked(uint16_t* p, lanemask mask, vec16 v) {
 
 inline void vstore(uint16_t* p, vec16 v) { vstore_bf16_masked(p, 0xFFFF, v); }
 inline void vstore_masked(uint16_t* p, lanemask mask, vec16 v) { vstore_bf16_masked(p, mask, v); }
+
+// The largest of values[0, count) (-inf for none), 16 lanes at a time in a fixed order.
+inline float max_of(const float* values, int64_t count) {
+  vec16 best = vset1(-INFINITY);
+  for (int64_t j = 0; j < count; j += 16) {
+    const lanemask mask = first_lanes(count - j);
+    best = vselect(mask, vmax(best, vload_masked(mask, values + j)), best);
+  }
+  return vreduce_max(best);
+}
 
 // e^x for x <= 0 (scores minus their maximum): Cephes expf's polynomial, within 2 ulp of expf,
 // the same bits on every call (a fixed operation order, no library call).

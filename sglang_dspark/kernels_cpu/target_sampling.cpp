@@ -28,15 +28,6 @@ inline vec16 chunk_e(const float* row, int64_t cols, int64_t start, float max, f
   return vselect(live, exp_nonpositive(x), vzero());
 }
 
-float row_max(const float* row, int64_t cols) {
-  vec16 best = vset1(-INFINITY);
-  for (int64_t j = 0; j < cols; j += kLanes) {
-    const lanemask mask = first_lanes(cols - j);
-    best = vselect(mask, vmax(best, vload_masked(mask, row + j)), best);
-  }
-  return vreduce_max(best);
-}
-
 double row_total(const float* row, int64_t cols, float max, float scale) {
   double total = 0.0;
   for (int64_t j = 0; j < cols; j += kLanes) total += vreduce_add(chunk_e(row, cols, j, max, scale));
@@ -85,7 +76,7 @@ void dspark_softmax_rows(const float* logits, int64_t stride, int64_t cols, cons
 #pragma omp parallel for schedule(static) num_threads(threads) if (n * cols >= (int64_t(1) << 18))
   for (int64_t i = 0; i < n; ++i) {
     const float* row = logits + rows[i] * stride;
-    maxima[i] = row_max(row, cols);
+    maxima[i] = max_of(row, cols);
     totals[i] = row_total(row, cols, maxima[i], scale[i]);
   }
 }
