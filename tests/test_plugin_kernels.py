@@ -248,12 +248,15 @@ def test_panels_multiply_like_the_blas_and_each_row_alone_gives_the_same_bits(dt
     expected = (3, 32, 32, 2) if panel_layout == "amx" else (3, 45, 32)  # AMX: pairs of inputs per column
     assert panels.shape == expected and panels.dtype == dtype
     assert pack_panels(torch.randn(77, 45).to(dtype)).shape == (3, 45, 32)
-    x = torch.randn(2, 9, in_features).to(dtype)  # 18 rows: three passes of 8 (AVX-512) or two of 16 (AMX)
+    # 18 rows: three passes of 8 (AVX-512), two of 16 (AMX), or with AVX2 three of 6 over each half
+    # panel; 9 rows (below) take AVX2's whole-panel passes of 4
+    x = torch.randn(2, 9, in_features).to(dtype)
     out = panel_linear(x, panels, 77)
     assert out.shape == (2, 9, 77) and out.dtype == dtype
     reference = F.linear(x.float(), weight.float())
     tolerance = 1e-4 if dtype == torch.float32 else 0.05
     torch.testing.assert_close(out.float(), reference, rtol=tolerance, atol=tolerance)
+    assert torch.equal(panel_linear(x[1], panels, 77), out[1])
     alone = torch.stack([torch.stack([panel_linear(x[i, j:j + 1], panels, 77)[0] for j in range(9)]) for i in range(2)])
     assert torch.equal(alone, out)
     with pytest.raises(ValueError, match="do not fit panels"):

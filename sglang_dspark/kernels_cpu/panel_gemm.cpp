@@ -1,7 +1,7 @@
 // y[M,N] = x[M,K] @ W[N,K]^T for small M, with W packed once into 32-column panels [P][K][32]
 // (float32, or bfloat16 widened to float32 in registers). Each panel is streamed from memory once
-// per call and reused from L2 for every 8 rows of x (4 with AVX2, which has half the registers),
-// so 1-16 rows cost about what one row costs.
+// per call and reused from cache for every pass of rows (8 rows with AVX-512; with AVX2, which has
+// half the registers, 4, or 6 over half a panel: see `gemm`), so a few rows cost about what one costs.
 // Every output element sums over k in the same order whatever M is: a row's result does not
 // depend on the rows beside it (a verify window reproduces the one-token decode bit for bit).
 // On a CPU with AMX (built with -march=native there), bfloat16 weights whose K is a multiple of 32
@@ -25,66 +25,77 @@
 namespace {
 
 constexpr int kPanel = 32;        // output columns per panel: two 16-lane vectors
-constexpr int kRowsPerPass = kAvx512 ? 8 : 4;  // rows of x per pass over a panel: 16 accumulator registers
 constexpr int kPrefetchRows = 32; // prefetch this many panel rows (k) ahead
 
-// Panel row k's 32 weights as float32 (bfloat16 panels are widened by `vload`).
-template <typename W>
-inline void load_weights(const W* panel, int64_t k, vec16& w0, vec16& w1) {
-  w0 = vload(panel + k * kPanel);
-  w1 = vload(panel + k * kPanel + 16);
-}
-
-template <int M, typename W, typename Y>
-inline void panel_pass(const float* x, int64_t K, const W* panel, Y* y, int64_t N, int cols) {
-  vec16 acc0[M], acc1[M];
-  for (int m = 0; m < M; ++m) {
-    acc0[m] = vzero();
-    acc1[m] = vzero();
-  }
+// Columns [col0, col0 + 16 * V) of up to M rows of x against one panel; `cols` counts the panel's
+// real columns from col0 (the last panel of a matrix can be narrower). Each weight vector is
+// loaded right before its multiplies, so only one is live beside the accumulators.
+template <int M, int V, typename W, typename Y>
+inline void panel_pass(const float* x, int64_t K, const W* panel, int col0, Y* y, int64_t N, int cols) {
+  vec16 acc[V][M];
+  for (int v = 0; v < V; ++v)
+    for (int m = 0; m < M; ++m) acc[v][m] = vzero();
+  const W* weights = panel + col0;
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchRows) * kPanel), _MM_HINT_T0);
-    vec16 w0, w1;
-    load_weights(panel, k, w0, w1);
-    for (int m = 0; m < M; ++m) {
-      const vec16 xb = vset1(x[m * K + k]);
-      acc0[m] = vfmadd(xb, w0, acc0[m]);
-      acc1[m] = vfmadd(xb, w1, acc1[m]);
+    if (col0 == 0) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchRows) * kPanel), _MM_HINT_T0);
+    for (int v = 0; v < V; ++v) {
+      const vec16 w = vload(weights + k * kPanel + 16 * v);  // bfloat16 is widened
+      for (int m = 0; m < M; ++m) acc[v][m] = vfmadd(vset1(x[m * K + k]), w, acc[v][m]);
     }
   }
-  const lanemask mask0 = first_lanes(cols), mask1 = first_lanes(cols - 16);
-  for (int m = 0; m < M; ++m) {
-    vstore_masked(y + m * N, mask0, acc0[m]);
-    vstore_masked(y + m * N + 16, mask1, acc1[m]);
+  for (int v = 0; v < V; ++v) {
+    const lanemask mask = first_lanes(cols - 16 * v);
+    for (int m = 0; m < M; ++m) vstore_masked(y + m * N + col0 + 16 * v, mask, acc[v][m]);
   }
 }
 
-template <typename W, typename Y>
-inline void rows_pass(int rows, const float* x, int64_t K, const W* panel, Y* y, int64_t N, int cols) {
+template <int V, int R, typename W, typename Y>
+inline void rows_pass(int rows, const float* x, int64_t K, const W* panel, int col0, Y* y, int64_t N, int cols) {
+  static_assert(R >= 1 && R <= 8, "a pass takes 1-8 rows");
   switch (rows) {
-    case 1: panel_pass<1>(x, K, panel, y, N, cols); break;
-    case 2: panel_pass<2>(x, K, panel, y, N, cols); break;
-    case 3: panel_pass<3>(x, K, panel, y, N, cols); break;
-    case 4: panel_pass<4>(x, K, panel, y, N, cols); break;
-    case 5: panel_pass<5>(x, K, panel, y, N, cols); break;
-    case 6: panel_pass<6>(x, K, panel, y, N, cols); break;
-    case 7: panel_pass<7>(x, K, panel, y, N, cols); break;
-    default: panel_pass<kRowsPerPass>(x, K, panel, y, N, cols); break;  // rows never exceed kRowsPerPass
+    case 1: panel_pass<1, V>(x, K, panel, col0, y, N, cols); break;
+    case 2: panel_pass<(R < 2 ? R : 2), V>(x, K, panel, col0, y, N, cols); break;
+    case 3: panel_pass<(R < 3 ? R : 3), V>(x, K, panel, col0, y, N, cols); break;
+    case 4: panel_pass<(R < 4 ? R : 4), V>(x, K, panel, col0, y, N, cols); break;
+    case 5: panel_pass<(R < 5 ? R : 5), V>(x, K, panel, col0, y, N, cols); break;
+    case 6: panel_pass<(R < 6 ? R : 6), V>(x, K, panel, col0, y, N, cols); break;
+    case 7: panel_pass<(R < 7 ? R : 7), V>(x, K, panel, col0, y, N, cols); break;
+    default: panel_pass<R, V>(x, K, panel, col0, y, N, cols); break;  // rows never exceed R
   }
 }
 
-template <typename W, typename Y>
-void gemm(const float* x, int64_t M, int64_t K, const W* panels, int64_t N, Y* y, int threads) {
+// R rows at a time over 16 * V columns of each panel; a panel is read from memory by its first
+// pass and from cache by the others.
+template <int V, int R, typename W, typename Y>
+void gemm_passes(const float* x, int64_t M, int64_t K, const W* panels, int64_t N, Y* y, int threads) {
   const int64_t P = (N + kPanel - 1) / kPanel;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < P; ++p) {
     const W* panel = panels + p * K * kPanel;
     const int cols = static_cast<int>(N - p * kPanel < kPanel ? N - p * kPanel : kPanel);
-    for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
-      const int rows = static_cast<int>(M - m0 < kRowsPerPass ? M - m0 : kRowsPerPass);
-      rows_pass(rows, x + m0 * K, K, panel, y + m0 * N + p * kPanel, N, cols);
-    }
+    for (int col0 = 0; col0 < cols; col0 += 16 * V)
+      for (int64_t m0 = 0; m0 < M; m0 += R) {
+        const int rows = static_cast<int>(M - m0 < R ? M - m0 : R);
+        rows_pass<V, R>(rows, x + m0 * K, K, panel, col0, y + m0 * N + p * kPanel, N, cols - col0);
+      }
   }
+}
+
+// AVX-512: 8 rows x 32 columns a pass (16 zmm accumulators). AVX2, where a 16-lane vector is two
+// ymm, has half the registers: whole panels 4 rows a pass (16 ymm of accumulators, some spilt to L1)
+// up to kWholePanelMaxRows rows, beyond that 16-column halves 6 rows a pass (12 ymm, none spilt).
+// Measured on a 2-core AVX2 EPYC, SmolLM2-135M's linears + lm_head in bf16 (`dspark-ctl bench
+// gemm`): whole panels 1/4/8/16/32 rows 15.1/15.6/25.1/46.1/83.8 ms, halves from 13 rows on
+// 37.8-41.6 ms at 16 and 61-63 ms at 32; halves lost below ~12 rows (6 rows 25.0 against 20.2 ms:
+// the second half re-reads the panel from L2) and 3 rows a whole-panel pass (no spill) lost
+// everywhere (57.6 ms at 16 rows: twice the passes).
+constexpr int kWholePanelMaxRows = 12;
+
+template <typename W, typename Y>
+void gemm(const float* x, int64_t M, int64_t K, const W* panels, int64_t N, Y* y, int threads) {
+  if (kAvx512) gemm_passes<2, 8>(x, M, K, panels, N, y, threads);
+  else if (M <= kWholePanelMaxRows) gemm_passes<2, 4>(x, M, K, panels, N, y, threads);
+  else gemm_passes<1, 6>(x, M, K, panels, N, y, threads);
 }
 
 #ifdef DSPARK_AMX
