@@ -37,13 +37,18 @@ width is a multiple of 32 are packed as pairs of consecutive inputs per column, 
 and multiplied on the tiles 16 rows at a time, in the same fixed order: still streamed once per
 call, and a verify window of many rows then costs little more than one row.
 
-On a CPU without AVX-512F (an AVX2-only AMD EPYC, session 20) the same code runs each 16-lane
-vector as two AVX2 registers (`simd16.h`), 4 rows per pass (half the registers); bfloat16 ms:
+On a CPU without AVX-512F (an AVX2-only AMD EPYC, sessions 20-21) the same code runs each 16-lane
+vector as two AVX2 registers (`simd16.h`), which leaves half the registers: whole panels 4 rows a
+pass up to 12 rows, beyond that 16-column halves 6 rows a pass (session 20 took whole panels 4 rows
+a pass at every size, and their 16 ymm of accumulators spilt). bfloat16 ms, one run, the two
+kernel builds one after the other (`docs/results/bench-gemm-cpu-s21-avx2-*.json`; MKL's own times
+moved ~10 % between the two for the VM's drift):
 
-| rows | 1 | 2 | 4 | 8 | 16 | 32 |
-|---|---|---|---|---|---|---|
-| MKL bfloat16 | 23.2 | 43.5 | 85.0 | 175.1 | 348.4 | 603.8 |
-| AVX2 panels | 14.3 | 15.5 | 17.4 | 30.7 | 52.5 | 89.1 |
+| rows | 1 | 2 | 4 | 8 | 16 | 32 | 64 | 128 |
+|---|---|---|---|---|---|---|---|---|
+| MKL bfloat16 | 23.7 | 43.3 | 85.5 | 167.2 | 326.7 | 651.9 | 1139.0 | 2277.5 |
+| AVX2 panels, whole (session 20) | 16.0 | 15.6 | 15.7 | 27.1 | 46.9 | 89.8 | 159.5 | 315.7 |
+| AVX2 panels, halves from 13 rows | 13.6 | 13.2 | 12.9 | 22.5 | 33.6 | 57.1 | 101.8 | 203.9 |
 
 and float32 (MKL column-major against panels) 40.4 / 37.8 at 1 row, 175.4 / 68.6 at 8, 172.9 /
 127.5 at 32, 247.4 / 238.3 at 64: the same row ranges win as on AVX-512.
