@@ -28,8 +28,7 @@ constexpr int kPanel = 32;        // output columns per panel: two 16-lane vecto
 constexpr int kPrefetchRows = 32; // prefetch this many panel rows (k) ahead
 
 // Columns [col0, col0 + 16 * V) of up to M rows of x against one panel; `cols` counts the panel's
-// real columns from col0 (the last panel of a matrix can be narrower). Each weight vector is
-// loaded right before its multiplies, so only one is live beside the accumulators.
+// real columns from col0 (the last panel of a matrix can be narrower).
 template <int M, int V, typename W, typename Y>
 inline void panel_pass(const float* x, int64_t K, const W* panel, int col0, Y* y, int64_t N, int cols) {
   vec16 acc[V][M];
@@ -38,9 +37,11 @@ inline void panel_pass(const float* x, int64_t K, const W* panel, int col0, Y* y
   const W* weights = panel + col0;
   for (int64_t k = 0; k < K; ++k) {
     if (col0 == 0) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchRows) * kPanel), _MM_HINT_T0);
-    for (int v = 0; v < V; ++v) {
-      const vec16 w = vload(weights + k * kPanel + 16 * v);  // bfloat16 is widened
-      for (int m = 0; m < M; ++m) acc[v][m] = vfmadd(vset1(x[m * K + k]), w, acc[v][m]);
+    vec16 w[V];
+    for (int v = 0; v < V; ++v) w[v] = vload(weights + k * kPanel + 16 * v);  // bfloat16 is widened
+    for (int m = 0; m < M; ++m) {
+      const vec16 xb = vset1(x[m * K + k]);
+      for (int v = 0; v < V; ++v) acc[v][m] = vfmadd(xb, w[v], acc[v][m]);
     }
   }
   for (int v = 0; v < V; ++v) {
