@@ -50,19 +50,13 @@ inline void panel_pass(const float* x, int64_t K, const W* panel, int col0, Y* y
   }
 }
 
+// One pass of `rows` (1..R) rows: the pass compiled for exactly that many, none for more than R.
 template <int V, int R, typename W, typename Y>
 inline void rows_pass(int rows, const float* x, int64_t K, const W* panel, int col0, Y* y, int64_t N, int cols) {
-  static_assert(R >= 1 && R <= 8, "a pass takes 1-8 rows");
-  switch (rows) {
-    case 1: panel_pass<1, V>(x, K, panel, col0, y, N, cols); break;
-    case 2: panel_pass<(R < 2 ? R : 2), V>(x, K, panel, col0, y, N, cols); break;
-    case 3: panel_pass<(R < 3 ? R : 3), V>(x, K, panel, col0, y, N, cols); break;
-    case 4: panel_pass<(R < 4 ? R : 4), V>(x, K, panel, col0, y, N, cols); break;
-    case 5: panel_pass<(R < 5 ? R : 5), V>(x, K, panel, col0, y, N, cols); break;
-    case 6: panel_pass<(R < 6 ? R : 6), V>(x, K, panel, col0, y, N, cols); break;
-    case 7: panel_pass<(R < 7 ? R : 7), V>(x, K, panel, col0, y, N, cols); break;
-    default: panel_pass<R, V>(x, K, panel, col0, y, N, cols); break;  // rows never exceed R
+  if constexpr (R > 1) {
+    if (rows < R) return rows_pass<V, R - 1>(rows, x, K, panel, col0, y, N, cols);
   }
+  panel_pass<R, V>(x, K, panel, col0, y, N, cols);
 }
 
 // R rows at a time over 16 * V columns of each panel; a panel is read from memory by its first
@@ -85,11 +79,8 @@ void gemm_passes(const float* x, int64_t M, int64_t K, const W* panels, int64_t 
 // AVX-512: 8 rows x 32 columns a pass (16 zmm accumulators). AVX2, where a 16-lane vector is two
 // ymm, has half the registers: whole panels 4 rows a pass (16 ymm of accumulators, some spilt to L1)
 // up to kWholePanelMaxRows rows, beyond that 16-column halves 6 rows a pass (12 ymm, none spilt).
-// Measured on a 2-core AVX2 EPYC, SmolLM2-135M's linears + lm_head in bf16 (`dspark-ctl bench
-// gemm`): whole panels 1/4/8/16/32 rows 15.1/15.6/25.1/46.1/83.8 ms, halves from 13 rows on
-// 37.8-41.6 ms at 16 and 61-63 ms at 32; halves lost below ~12 rows (6 rows 25.0 against 20.2 ms:
-// the second half re-reads the panel from L2) and 3 rows a whole-panel pass (no spill) lost
-// everywhere (57.6 ms at 16 rows: twice the passes).
+// Halves lose below ~12 rows (the second half re-reads the panel from L2), and whole panels 3 rows a
+// pass (no spill) lost everywhere (twice the passes); the timings are in panel_gemm.py.
 constexpr int kWholePanelMaxRows = 12;
 
 template <typename W, typename Y>
