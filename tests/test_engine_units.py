@@ -446,7 +446,7 @@ def test_the_planner_rescales_its_table_to_the_steps_it_measures(tmp_path, monke
     for _ in range(200):
         drafted.append(planner.decide(rids, context).draft)
         plan = planner.skipped(rids, context)
-        planner.observe(plan, plan.predicted_seconds / 4, step_seconds=plan.predicted_seconds / 4,
+        planner.observe(plan, rids, plan.predicted_seconds / 4, step_seconds=plan.predicted_seconds / 4,
                         committed_tokens=2, drafted=False)
     assert planner.skipped(rids, context).predicted_seconds == pytest.approx(step / 4, rel=0.05)
     assert sum(drafted[-100:]) <= 100 // EXPLORE_EVERY + 1, "against the measured steps it does not"

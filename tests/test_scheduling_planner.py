@@ -378,7 +378,7 @@ def _replay(planner: EarlyStopPlanner, steps: int, drafted_step: tuple[float, fl
         if width:
             planner.publish(ids, survivals, width)
         tokens, seconds = drafted_step if width else skipped_step
-        planner.record_step(len(ids), width > 0, tokens, seconds)
+        planner.record_step(ids, width > 0, tokens, seconds)
         widths.append(width)
     return widths
 
@@ -426,6 +426,26 @@ def test_a_veto_measured_on_requests_that_have_all_left_is_forgotten():
     _replay(planner, 200, ids=large, **losing)
     assert planner.vetoed
     assert _replay(planner, 5, ids=[i + 1000 for i in large], **losing) == [0] * 5
+
+
+def test_steps_right_after_a_request_joins_or_leaves_do_not_decide_whether_drafting_loses():
+    """A step whose batch changed pays for the change whatever its kind; if those steps happen
+    to be skipped ones, counting them made skipping look as slow as drafting at concurrency 16."""
+    planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7)
+    batch, next_id = list(range(16)), 16
+    for step in range(120):
+        changed = step % 4 == 0
+        if changed:  # one request finished, another joined
+            batch, next_id = batch[1:] + [next_id], next_id + 1
+        if changed:
+            planner.record_step(batch, False, 16.0, 0.2)  # a slow skipped step (80 tokens/s)
+        elif step % 2:
+            planner.record_step(batch, True, 20.0, 0.1)  # drafted: 200 tokens/s
+        else:
+            planner.record_step(batch, False, 16.0, 0.065)  # skipped: 246 tokens/s
+    skip_rate, skip_samples = planner.rates.rate(16, drafted=False)
+    assert skip_rate == pytest.approx(16.0 / 0.065) and skip_samples == 30 - 8  # less the warm-up
+    assert planner.rates.drafting_loses(16)
 
 
 def test_where_the_model_drafts_from_the_start_a_losing_draft_is_found_within_a_few_dozen_steps():

@@ -293,14 +293,14 @@ class VerifyPlanner:
             return (self._sweep_step - 1) % (self.gamma + 1)
         return self.gamma if self.settings.planner == "all" else self.settings.fixed_drafts
 
-    def observe(self, plan: Plan, target_seconds: float, step_seconds: float, committed_tokens: int,
-                drafted: bool) -> None:
+    def observe(self, plan: Plan, request_ids: list, target_seconds: float, step_seconds: float,
+                committed_tokens: int, drafted: bool) -> None:
         """A finished step: its seconds after drafting (verify forward, acceptance, bookkeeping:
         what the table was fitted on), to which the production planner rescales its table, and
         the whole step's seconds and committed tokens, which it checks drafting against."""
         if self.capacity_planner is not None:
             self.capacity_planner.observe(plan.step_shape, target_seconds)
-            self.capacity_planner.record_step(len(plan.verify_lens), drafted, committed_tokens, step_seconds)
+            self.capacity_planner.record_step(request_ids, drafted, committed_tokens, step_seconds)
 
     def observe_rounds(self, plan: Plan, num_accepted: torch.Tensor, greedy: torch.Tensor) -> None:
         """A drafted step's verify outcomes (accepted drafts [B], greedy [B]) for live

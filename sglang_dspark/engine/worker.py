@@ -389,7 +389,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         # steps is replaced by the steady cost of projecting this step's committed tokens
         steady_seconds = finished - started - times.catch_up + (
             self.planner.draft_costs.catch_up_seconds(committed) if decision.draft else 0.0)
-        self.planner.observe(plan, target_seconds=finished - drafted, step_seconds=steady_seconds,
+        self.planner.observe(plan, rids, target_seconds=finished - drafted, step_seconds=steady_seconds,
                              committed_tokens=committed, drafted=decision.draft)
         self.planner.observe_rounds(plan, num_accepted, params.greedy)
         no_head = [[] for _ in rids]  # a drafter without a confidence head predicts no survivals
