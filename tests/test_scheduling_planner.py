@@ -434,11 +434,9 @@ def test_steps_right_after_a_request_joins_or_leaves_do_not_decide_whether_draft
     planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7)
     batch, next_id = list(range(16)), 16
     for step in range(120):
-        changed = step % 4 == 0
-        if changed:  # one request finished, another joined
+        if step % 4 == 0:  # one request finished, another joined; a slow skipped step (80 tokens/s)
             batch, next_id = batch[1:] + [next_id], next_id + 1
-        if changed:
-            planner.record_step(batch, False, 16.0, 0.2)  # a slow skipped step (80 tokens/s)
+            planner.record_step(batch, False, 16.0, 0.2)
         elif step % 2:
             planner.record_step(batch, True, 20.0, 0.1)  # drafted: 200 tokens/s
         else:

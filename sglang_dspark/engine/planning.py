@@ -297,7 +297,8 @@ class VerifyPlanner:
                 committed_tokens: int, drafted: bool) -> None:
         """A finished step: its seconds after drafting (verify forward, acceptance, bookkeeping:
         what the table was fitted on), to which the production planner rescales its table, and
-        the whole step's seconds and committed tokens, which it checks drafting against."""
+        the whole step's seconds and committed tokens, which it checks drafting against (unless
+        `request_ids`, the step's batch, changed since the previous step)."""
         if self.capacity_planner is not None:
             self.capacity_planner.observe(plan.step_shape, target_seconds)
             self.capacity_planner.record_step(request_ids, drafted, committed_tokens, step_seconds)
