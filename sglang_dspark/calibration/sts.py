@@ -69,6 +69,11 @@ class StsCalibration:
 
     def apply(self, confidence_logits: torch.Tensor) -> torch.Tensor:
         """Raw confidence logits [..., gamma] -> prefix survivals [..., gamma]."""
+        return torch.cumprod(torch.sigmoid(self.conditional_logits(confidence_logits)), dim=-1)
+
+    def conditional_logits(self, confidence_logits: torch.Tensor) -> torch.Tensor:
+        """Raw confidence logits [..., gamma] -> the calibrated logits of each draft's acceptance
+        given the drafts before it (float64): survival k is the product of their sigmoids."""
         if confidence_logits.shape[-1] != self.gamma:
             raise CalibrationDataError(
                 f"calibration is for gamma={self.gamma}, got logits with last dim "
@@ -77,7 +82,7 @@ class StsCalibration:
         logits = confidence_logits.to(torch.float64) / torch.tensor(self.temperatures, dtype=torch.float64)
         if self.biases is not None:
             logits = logits + torch.tensor(self.biases, dtype=torch.float64)
-        return torch.cumprod(torch.sigmoid(logits), dim=-1)
+        return logits
 
     def to_json(self) -> dict[str, Any]:
         return {

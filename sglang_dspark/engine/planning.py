@@ -24,7 +24,9 @@ Survivals a_k = prod_{i<=k} sigmoid(c_i / T_i) use the STS temperatures from `DS
 `<draft>/sts-greedy.json` when there is one (argmax match is not the sampled acceptance event).
 With the production planner, both are refitted on the server's own verify rounds every
 `DSPARK_RECALIBRATE_EVERY` rounds of their class, and a refit that calibrates better on held-out
-rounds takes over (`live_calibration`).
+rounds takes over (`live_calibration`); and each class's conditional acceptance at each position
+is corrected by an offset learnt from its served rounds (`calibration.served_offsets`,
+`DSPARK_SERVED_OFFSETS`), which start afresh when a refit takes over.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from sglang_dspark.engine.live_calibration import LiveRecalibrator
+from sglang_dspark.calibration.served_offsets import ServedOffsets
+from sglang_dspark.engine.live_calibration import KINDS, LiveRecalibrator
 from sglang_dspark.engine.settings import LiveSettings
 
 if TYPE_CHECKING:
@@ -185,6 +188,7 @@ class VerifyPlanner:
         self.draft_costs = DraftCosts()
         self._sweep_step = 0
         self.recalibrator = None
+        self.served_offsets: dict[str, ServedOffsets] | None = None  # per temperature class
         if settings.planner == "production":
             from sglang_dspark.scheduling.cost_model import load_cost_model
             from sglang_dspark.scheduling.planner import EarlyStopPlanner
@@ -193,6 +197,8 @@ class VerifyPlanner:
                                                      explore_every=EXPLORE_EVERY, seed=settings.seed)
             if settings.recalibrate_every:  # only this planner's decisions read survivals
                 self.recalibrator = LiveRecalibrator(self.gamma, settings.recalibrate_every, seed=settings.seed)
+            if settings.served_offsets:
+                self.served_offsets = {kind: ServedOffsets(self.gamma) for kind in KINDS}
 
     def _load_calibration(self, path):
         """STS temperatures (and biases) from `path` cut to gamma, or None (no file)."""
@@ -210,21 +216,32 @@ class VerifyPlanner:
 
     def survivals(self, confidence_logits: torch.Tensor, greedy: torch.Tensor | None = None) -> torch.Tensor:
         """Prefix survivals a_k from raw confidence logits [B, gamma]; rows where `greedy` [B] is
-        True use the greedy calibration when there is one."""
-        if self.greedy_calibration is None or greedy is None or not bool(greedy.any()):
-            return self._calibrated(self.calibration, confidence_logits)
+        True use the greedy calibration (and offsets) when there is one."""
+        if greedy is None or not bool(greedy.any()):
+            return self._survivals_of("sampled", confidence_logits)
         if bool(greedy.all()):  # (the usual batch: no row masks)
-            return self._calibrated(self.greedy_calibration, confidence_logits)
+            return self._survivals_of("greedy", confidence_logits)
         survivals = torch.empty(confidence_logits.shape, dtype=torch.float32)
-        survivals[greedy] = self._calibrated(self.greedy_calibration, confidence_logits[greedy])
-        survivals[~greedy] = self._calibrated(self.calibration, confidence_logits[~greedy])
+        survivals[greedy] = self._survivals_of("greedy", confidence_logits[greedy])
+        survivals[~greedy] = self._survivals_of("sampled", confidence_logits[~greedy])
         return survivals
 
-    @staticmethod
-    def _calibrated(calibration, confidence_logits: torch.Tensor) -> torch.Tensor:
-        if calibration is not None:
-            return calibration.apply(confidence_logits).to(torch.float32)
-        return torch.cumprod(torch.sigmoid(confidence_logits.to(torch.float32)), dim=-1)
+    def _calibration_of(self, kind: str):
+        """The calibration in force for a temperature class (greedy rows fall back to the sampled
+        one until they have their own; None: raw confidences)."""
+        return (self.greedy_calibration or self.calibration) if kind == "greedy" else self.calibration
+
+    def _conditional_logits(self, kind: str, confidence_logits: torch.Tensor) -> torch.Tensor:
+        calibration = self._calibration_of(kind)
+        if calibration is None:
+            return confidence_logits.to(torch.float64)
+        return calibration.conditional_logits(confidence_logits)
+
+    def _survivals_of(self, kind: str, confidence_logits: torch.Tensor) -> torch.Tensor:
+        conditional = self._conditional_logits(kind, confidence_logits)
+        if self.served_offsets is not None:
+            return self.served_offsets[kind].apply(conditional)
+        return torch.cumprod(torch.sigmoid(conditional), dim=-1).to(torch.float32)
 
     def decide(self, request_ids: list, context_lens: torch.Tensor) -> StepDecision:
         """How many block slots this step drafts (0: none), decided before the drafter runs."""
@@ -304,18 +321,36 @@ class VerifyPlanner:
             self.capacity_planner.record_step(request_ids, drafted, committed_tokens, step_seconds)
 
     def observe_rounds(self, plan: Plan, num_accepted: torch.Tensor, greedy: torch.Tensor) -> None:
-        """A drafted step's verify outcomes (accepted drafts [B], greedy [B]) for live
-        recalibration: a refit that calibrates better on held-out rounds replaces the calibration
-        in force for its temperature class (`live_calibration`)."""
-        if self.recalibrator is None or plan.confidence_logits is None:
+        """A drafted step's verify outcomes (accepted drafts [B], greedy [B]) for the served
+        offsets of each temperature class and live recalibration: a refit that calibrates better
+        on held-out rounds replaces the calibration in force for its class (`live_calibration`),
+        and that class's offsets start afresh (they corrected the calibration it replaced)."""
+        if plan.confidence_logits is None:
+            return
+        if self.served_offsets is not None:
+            self._add_served_tests(plan, num_accepted, greedy)
+        if self.recalibrator is None:
             return
         self.recalibrator.add(plan.confidence_logits, plan.verify_lens, num_accepted, greedy)
         for kind in self.recalibrator.due():
-            if kind == "greedy":  # greedy rows use the sampled calibration until they have their own
-                refitted = self.recalibrator.refit(kind, self.greedy_calibration or self.calibration)
-                self.greedy_calibration = refitted or self.greedy_calibration
+            refitted = self.recalibrator.refit(kind, self._calibration_of(kind))
+            if refitted is None:
+                continue
+            if kind == "greedy":
+                self.greedy_calibration = refitted
             else:
-                self.calibration = self.recalibrator.refit(kind, self.calibration) or self.calibration
+                self.calibration = refitted
+            if self.served_offsets is not None:
+                self.served_offsets[kind].reset()
+
+    def _add_served_tests(self, plan: Plan, num_accepted: torch.Tensor, greedy: torch.Tensor) -> None:
+        width = plan.confidence_logits.shape[1]
+        padded = torch.nn.functional.pad(plan.confidence_logits, (0, self.gamma - width))
+        greedy = greedy.bool().cpu()
+        for kind, rows in (("greedy", greedy), ("sampled", ~greedy)):
+            if bool(rows.any()):
+                conditional = self._conditional_logits(kind, padded[rows])[:, :width]
+                self.served_offsets[kind].add(conditional, plan.verify_lens[rows], num_accepted.cpu()[rows])
 
     def _shape(self, batch: int, drafts: int, context_lens: torch.Tensor) -> StepShape | None:
         if self.capacity_planner is None:
