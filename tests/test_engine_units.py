@@ -8,6 +8,8 @@ import pytest
 import torch
 from kv_fakes import FakeKVPool
 
+from sglang_dspark import runtime
+from sglang_dspark.engine import settings as settings_module
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
 from sglang_dspark.engine.settings import SettingsError, load_settings
 from sglang_dspark.engine.verify_attention import VerifyLayout, verify_attention
@@ -114,6 +116,26 @@ def test_the_cost_model_for_the_served_dtype_wins_over_the_generic_one(tmp_path,
     other.write_text("{}")
     monkeypatch.setenv("DSPARK_SPS_PATH", str(other))
     assert load_settings(folder, "bfloat16").sps_path == other
+
+
+@pytest.mark.parametrize("flags,tag", [("fpu avx2 avx512f amx_bf16 amx_tile", "amx"), ("avx2 avx512f avx512bw", "avx512"),
+                                       ("sse4_2 avx2 fma", "avx2"), ("sse4_2", None)])
+def test_a_cpu_server_picks_the_cost_model_measured_on_its_instruction_set(tmp_path, monkeypatch, flags, tag):
+    """Extra verify tokens cost differently on AVX2, AVX-512 and AMX CPUs, so a folder may ship a
+    table per instruction set; a CPU server takes its own, else the dtype's table; a CUDA server
+    never takes a CPU one."""
+    monkeypatch.delenv("DSPARK_SPS_PATH", raising=False)
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert runtime.cpu_profile_tag(cpuinfo) == tag
+    monkeypatch.setattr(settings_module, "cpu_profile_tag", lambda: runtime.cpu_profile_tag(cpuinfo))
+    folder = _draft_folder(tmp_path)
+    for name in ("sps.json", "sps-bfloat16.json", "sps-bfloat16-avx2.json", "sps-bfloat16-amx.json"):
+        (folder / name).write_text("{}")
+    expected = {"amx": "sps-bfloat16-amx.json", "avx2": "sps-bfloat16-avx2.json"}.get(tag, "sps-bfloat16.json")
+    assert load_settings(folder, "bfloat16", "cpu").sps_path == folder / expected
+    assert load_settings(folder, "bfloat16", "cuda").sps_path == folder / "sps-bfloat16.json"
+    assert load_settings(folder, "float32", "cpu").sps_path == folder / "sps.json"
 
 
 @pytest.mark.parametrize("name,value,message", [

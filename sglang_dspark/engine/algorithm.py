@@ -58,7 +58,7 @@ def _settings_or_error(server_args):
             "folder (config.json + model.safetensors), e.g. the one `dspark-ctl prepare` writes"
         )
     try:
-        return load_settings(draft_path, getattr(server_args, "dtype", None))
+        return load_settings(draft_path, getattr(server_args, "dtype", None), getattr(server_args, "device", None))
     except SettingsError as error:
         raise ValueError(f"DSPARK_LIVE: {error}") from None
 

@@ -7,7 +7,7 @@ process, with a clear error for a bad value:
 |---|---|---|
 | `DSPARK_GAMMA` | checkpoint `block_size` | drafts per block (1..block_size) |
 | `DSPARK_PLANNER` | `production` if an SPS table is found, else `all` | `all`: verify every draft; `production`: the draft width worth its measured cost, then early-stop verification in survival order (`scheduling.EarlyStopPlanner`), drafter skipped on steps where it cannot pay, and wherever drafted steps measurably delivered more than 3 % fewer tokens/s than skipped ones at this batch size; `fixed:N`: verify N drafts per request; `sweep`: a measurement mode for `dspark-ctl bench sps-serve` (step s verifies s mod (gamma+1) drafts per request) |
-| `DSPARK_SPS_PATH` | `<draft>/sps-<dtype>.json`, else `<draft>/sps.json`, if present | cost model JSON (`scheduling.load_cost_model`) |
+| `DSPARK_SPS_PATH` | `<draft>/sps-<dtype>-<cpu>.json` on a CPU (`<cpu>`: `amx`, `avx512` or `avx2`, its widest matrix instructions), else `<draft>/sps-<dtype>.json`, else `<draft>/sps.json`, if present | cost model JSON (`scheduling.load_cost_model`) |
 | `DSPARK_STS_PATH` | `<draft>/sts.json` if present | STS temperatures JSON (`calibration.StsCalibration`) |
 | `DSPARK_STS_GREEDY_PATH` | `<draft>/sts-greedy.json` if present | STS calibration for greedy requests (a greedy draft survives by argmax match, a different event from sampled acceptance, so one calibration does not fit both); without it greedy requests use `DSPARK_STS_PATH` |
 | `DSPARK_RECALIBRATE_EVERY` | 1024 | with the production planner, refit each temperature class's STS calibration on its last 4,096 served verify rounds every this many new rounds (twice as many after a refit that changed nothing, up to 16x), and keep the refit where it calibrates better on held-out rounds (`engine.live_calibration`); 0: never (the files stay in force) |
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_dspark.engine.live_calibration import MIN_ROUNDS
+from sglang_dspark.runtime import cpu_profile_tag
 
 PLANNER_MODES = ("all", "production", "fixed", "sweep")
 VERIFY_ATTENTION_MODES = ("linear", "native")
@@ -99,15 +100,18 @@ def read_draft_config(draft_path: str | Path) -> dict:
     return json.loads(config_file.read_text())
 
 
-def default_sps_file(draft_path: Path, dtype: str | None) -> Path:
-    """`<draft>/sps-<dtype>.json` when the folder has a cost model for the served dtype (the step's
-    shape differs by dtype: on a CPU without native bf16 math, bf16 weights stream twice as fast),
-    else `<draft>/sps.json`."""
+def default_sps_file(draft_path: Path, dtype: str | None, hardware: str | None = None) -> Path:
+    """The draft folder's cost model for this server: `<draft>/sps-<dtype>-<hardware>.json` when
+    the folder has one measured on this kind of machine (`runtime.cpu_profile_tag` on a CPU: the
+    marginal cost of a verify token differs by instruction set), else `<draft>/sps-<dtype>.json`
+    (the step's shape differs by dtype: on a CPU without native bf16 math, bf16 weights stream
+    twice as fast), else `<draft>/sps.json`."""
+    candidates = []
+    if dtype and hardware:
+        candidates.append(draft_path / f"sps-{dtype}-{hardware}.json")
     if dtype:
-        specific = draft_path / f"sps-{dtype}.json"
-        if specific.is_file():
-            return specific
-    return draft_path / "sps.json"
+        candidates.append(draft_path / f"sps-{dtype}.json")
+    return next((path for path in candidates if path.is_file()), draft_path / "sps.json")
 
 
 def _recalibrate_every() -> int:
@@ -119,15 +123,17 @@ def _recalibrate_every() -> int:
     return every
 
 
-def load_settings(draft_path: str | Path, dtype: str | None = None) -> LiveSettings:
-    """Resolve every knob for the drafter at `draft_path`, served in `dtype` (SGLang's --dtype)."""
+def load_settings(draft_path: str | Path, dtype: str | None = None, device: str | None = None) -> LiveSettings:
+    """Resolve every knob for the drafter at `draft_path`, served in `dtype` (SGLang's --dtype)
+    on `device` (SGLang's --device: on a CPU, the cost model measured on its instruction set wins)."""
     draft_path = Path(draft_path)
     config = read_draft_config(draft_path)
     block_size = config.get("block_size") or (config.get("dflash_config") or {}).get("block_size")
     if not isinstance(block_size, int) or block_size < 1:
         raise SettingsError(f"{draft_path}/config.json: block_size={block_size!r}, expected a positive integer")
     gamma = _int_env("DSPARK_GAMMA", block_size, 1, block_size)
-    sps_path = _optional_file("DSPARK_SPS_PATH", default_sps_file(draft_path, dtype))
+    hardware = cpu_profile_tag() if device == "cpu" else None
+    sps_path = _optional_file("DSPARK_SPS_PATH", default_sps_file(draft_path, dtype, hardware))
     sts_path = _optional_file("DSPARK_STS_PATH", draft_path / "sts.json")
     sts_greedy_path = _optional_file("DSPARK_STS_GREEDY_PATH", draft_path / "sts-greedy.json")
     planner_raw = os.environ.get("DSPARK_PLANNER", "").strip().lower() or ("production" if sps_path else "all")

@@ -90,7 +90,8 @@ class DSparkLiveWorker(BaseSpecWorker):
         self._draft_worker = None
         self.model_runner = target_worker.model_runner
         self.device = self.model_runner.device
-        self.settings = load_settings(server_args.speculative_draft_model_path, server_args.dtype)
+        self.settings = load_settings(server_args.speculative_draft_model_path, server_args.dtype,
+                                      getattr(server_args, "device", None))
         self.gamma = self.settings.gamma
         self.stride = self.settings.verify_window
         self.speculative_num_draft_tokens = self.stride
