@@ -51,3 +51,27 @@ def test_a_drafter_with_kernels_drafts_the_blocks_the_torch_drafter_drafts(dtype
             blocks.append((first, model.forward_block(cache, slots, ids[:, 20]).float()))
     for served_block, torch_block in zip(blocks[1], blocks[0]):
         torch.testing.assert_close(served_block, torch_block, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_a_block_of_fewer_slots_drafts_what_the_whole_block_drafts_there(kernels, num_layers):
+    """A step that drafts w < gamma slots computes only those w rows in the last layer (they still
+    attend to all gamma block rows, so every earlier layer runs whole): the same hidden states."""
+    target = make_tiny_target()
+    drafter = make_tiny_drafter(target, gamma=7, num_layers=num_layers)
+    if kernels:
+        add_drafter_kernels(drafter)
+    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(2))
+    taps = tiny_taps(target, ids)
+    slots = torch.tensor([2, 0])
+    with torch.inference_mode():
+        cache = drafter.new_cache(num_slots=3)
+        drafter.append_context(cache, slots, torch.cat((taps[0, :23], taps[1, :15])), torch.tensor([23, 15]))
+        whole = drafter.forward_block(cache, slots, ids[:, 23])
+        for width in range(1, 8):
+            part = drafter.forward_block(cache, slots, ids[:, 23], width)
+            assert part.shape == (2, width, whole.shape[-1])
+            torch.testing.assert_close(part, whole[:, :width], rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="block width 8: expected 1..gamma=7"):
+            drafter.forward_block(cache, slots, ids[:, 23], 8)

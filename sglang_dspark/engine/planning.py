@@ -117,9 +117,13 @@ class DraftCostTracker:
 
 class DraftCosts:
     """Seconds to draft w = 0..gamma slots at a batch size: the block forward (paid once per
-    drafting step, whatever the width) plus the Markov walk (paid per drafted slot: lm_head over
-    the draft vocabulary, the Markov bias, a softmax and a sample). At batch 16 on this CPU a
-    7-slot walk cost 15 ms against 7.6 for 2 slots, so a step that needs 2 drafts drafts 2."""
+    drafting step) plus the Markov walk (paid per drafted slot: lm_head over the draft
+    vocabulary, the Markov bias, a softmax and a sample). At batch 16 on this CPU a 7-slot walk
+    cost 15 ms against 7.6 for 2 slots, so a step that needs 2 drafts drafts 2. The block's last
+    layer computes only the drafted slots' rows (`DSparkDrafter.forward_block`), so it too costs
+    less at narrow widths; its estimate is the median over the widths drafted lately at that
+    batch size (a microbenchmark at batch 1 on the AVX2 CPU: 1.5 ms for one slot, 2.5 for three,
+    4.4 for seven: widths far from the recent ones are valued within ~2 ms)."""
 
     def __init__(self, window: int = 128, catch_up_decay: float = 0.05) -> None:
         self.block = DraftCostTracker(window)

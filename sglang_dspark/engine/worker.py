@@ -268,7 +268,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             caught_up = self._catch_up(slots, seq_lens)
             times.catch_up, clock = _lap(clock)
             self.planner.draft_costs.add_catch_up(caught_up, times.catch_up)
-            hidden = self.drafter.forward_block(self.context, slots, bonus)[:, : decision.draft_width]
+            hidden = self.drafter.forward_block(self.context, slots, bonus, decision.draft_width)
             times.block, clock = _lap(clock)
             if self.kernel_walk is not None and bool(params.greedy.all()):
                 draft = self.kernel_walk.greedy(hidden, bonus)

@@ -47,29 +47,32 @@ class KernelInjectedAttention(InjectedAttention):
         return head_norm_rope(x, norm.weight, norm.eps, cos, sin)
 
     def attend_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: BlockContext,
-                      layer: int) -> torch.Tensor:
+                      layer: int, queries: int | None = None) -> torch.Tensor:
         cache = context.cache
         if (cache.device.type != "cpu" or x.dtype != cache.dtype
                 or not kernel_fits(x.dtype, cache.dtype, self.head_dim, self.num_heads // self.num_kv_heads)):
-            return super().attend_cached(x, cos, sin, context, layer)
+            return super().attend_cached(x, cos, sin, context, layer, queries)
         batch, width, _ = x.shape
-        layout = context.shared.get("paged_layout") or _block_layout(context)
-        context.shared["paged_layout"] = layout
-        q = self.norm_rope(self.q_norm, self.q_proj(x).view(batch, width, self.num_heads, self.head_dim), cos, sin)
+        rows = width if queries is None else queries
+        key = ("paged_layout", rows)  # layers that attend with all rows share one, the last may not
+        layout = context.shared.get(key) or _block_layout(context, rows)
+        context.shared[key] = layout
+        q = self.q_proj(x[:, :rows]).view(batch, rows, self.num_heads, self.head_dim)
+        q = self.norm_rope(self.q_norm, q, cos[:, :rows], sin[:, :rows])
         block_k, block_v = self.key_value(x, cos, sin)
         keys, values = cache.keys[layer], cache.values[layer]
         positions = context.starts.unsqueeze(-1) + torch.arange(width)
         keys[context.slots.unsqueeze(-1), positions] = block_k
         values[context.slots.unsqueeze(-1), positions] = block_v
-        rows = keys.shape[0] * keys.shape[1]
-        out = paged_attention(q.view(batch * width, self.num_heads, self.head_dim),
-                              keys.view(rows, self.num_kv_heads, self.head_dim),
-                              values.view(rows, self.num_kv_heads, self.head_dim), layout, self.head_dim ** -0.5)
-        return self.o_proj(out.view(batch, width, -1))
+        cache_rows = keys.shape[0] * keys.shape[1]
+        out = paged_attention(q.reshape(batch * rows, self.num_heads, self.head_dim),
+                              keys.view(cache_rows, self.num_kv_heads, self.head_dim),
+                              values.view(cache_rows, self.num_kv_heads, self.head_dim), layout, self.head_dim ** -0.5)
+        return self.o_proj(out.view(batch, rows, -1))
 
 
-def _block_layout(context: BlockContext) -> KeyLayout:
-    """Which cache rows each block row sees (shared by every layer of the step): slot b's rows
+def _block_layout(context: BlockContext, queries: int) -> KeyLayout:
+    """Which cache rows each of the first `queries` rows of each block sees: slot b's rows
     `0..starts[b] + width - 1`, as rows of the cache flattened to `[num_slots * capacity]`. Grows
     the cache first where a block would not fit behind its context."""
     cache, width = context.cache, context.width
@@ -81,8 +84,8 @@ def _block_layout(context: BlockContext) -> KeyLayout:
     grid = (context.slots * cache.capacity).unsqueeze(-1) + columns
     cache_rows = grid[columns < seen.unsqueeze(-1)].to(torch.int32)
     first = torch.cumsum(seen, 0) - seen
-    return KeyLayout(spans=[], slots=cache_rows, key_start=first.repeat_interleave(width),
-                     key_count=seen.repeat_interleave(width))
+    return KeyLayout(spans=[], slots=cache_rows, key_start=first.repeat_interleave(queries),
+                     key_count=seen.repeat_interleave(queries))
 
 
 def add_drafter_kernels(drafter: torch.nn.Module) -> int:

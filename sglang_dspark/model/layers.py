@@ -93,12 +93,18 @@ class InjectedAttention(nn.Module):
         context_k: torch.Tensor,
         context_v: torch.Tensor,
         mask: torch.Tensor | None,
+        queries: int | None = None,
     ) -> torch.Tensor:
         """x: normalised block input `[B, L, d]`; context K/V `[B, C, kv_heads, head_dim]`;
-        mask: bool `[B, 1, L or 1, C + L]` (True = may attend) or None for "everything"."""
+        mask: bool `[B, 1, L or 1, C + L]` (True = may attend) or None for "everything".
+        Outputs `[B, queries, d]` for the first `queries` rows (None: all L), each attending to
+        every key as in the full forward."""
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
-        q = self.norm_rope(self.q_norm, q, cos, sin)
+        rows = length if queries is None else queries
+        q = self.q_proj(x[:, :rows]).view(batch, rows, self.num_heads, self.head_dim)
+        q = self.norm_rope(self.q_norm, q, cos[:, :rows], sin[:, :rows])  # cos/sin [B, L, 1, head_dim]
+        if mask is not None and mask.shape[2] != 1:
+            mask = mask[:, :, :rows]
         block_k, block_v = self.key_value(x, cos, sin)
         k = torch.cat((context_k, block_k), dim=1)
         v = torch.cat((context_v, block_v), dim=1)
@@ -106,14 +112,15 @@ class InjectedAttention(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(batch, rows, -1))
 
 
     def attend_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: BlockContext,
-                      layer: int) -> torch.Tensor:
-        """`forward` for a served block step, over layer `layer`'s context cache rows (gathered)."""
+                      layer: int, queries: int | None = None) -> torch.Tensor:
+        """`forward` for a served block step, over layer `layer`'s context cache rows (gathered);
+        outputs for the first `queries` block rows only (None: all), which still attend to all."""
         context_k, context_v, mask = context.gathered(layer, x.dtype)
-        return self.forward(x, cos, sin, context_k, context_v, mask)
+        return self.forward(x, cos, sin, context_k, context_v, mask, queries)
 
 
 class SwiGLU(nn.Module):
@@ -151,7 +158,10 @@ class DrafterLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward_cached(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: BlockContext,
-                       layer: int) -> torch.Tensor:
-        """`forward` for a served block step, reading layer `layer`'s context from the cache."""
-        h = h + self.self_attn.attend_cached(self.input_layernorm(h), cos, sin, context, layer)
+                       layer: int, queries: int | None = None) -> torch.Tensor:
+        """`forward` for a served block step, reading layer `layer`'s context from the cache; with
+        `queries`, the first `queries` rows of its output only (the last layer, when the step
+        drafts fewer slots than the block has)."""
+        attended = self.self_attn.attend_cached(self.input_layernorm(h), cos, sin, context, layer, queries)
+        h = h[:, : attended.shape[1]] + attended
         return h + self.mlp(self.post_attention_layernorm(h))
