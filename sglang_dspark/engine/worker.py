@@ -113,9 +113,11 @@ class DSparkLiveWorker(BaseSpecWorker):
         self._step = 0
         _ACTIVE_WORKER = self
         logger.info(
-            "DSPARK_LIVE worker: drafter %s (%s), gamma %d, taps %s, planner %s, overlap %s, verify attention %s",
+            "DSPARK_LIVE worker: drafter %s (%s), gamma %d, taps %s, planner %s (cost model %s, served offsets %s), "
+            "overlap %s, verify attention %s",
             self.settings.draft_path, self.drafter.dtype, self.gamma, list(self.drafter.target_layer_ids),
-            self.settings.planner, self.enable_overlap, self.settings.verify_attention,
+            self.settings.planner, self.settings.sps_path, "on" if self.planner.served_offsets else "off",
+            self.enable_overlap, self.settings.verify_attention,
         )
 
     # ------------------------------------------------------------------ set-up
