@@ -108,3 +108,23 @@ def test_the_planner_verifies_more_drafts_once_served_rounds_show_they_survive(t
 def test_a_bad_served_offsets_knob_fails_with_what_was_expected(tmp_path, monkeypatch):
     with pytest.raises(SettingsError, match="DSPARK_SERVED_OFFSETS='maybe': expected on or off"):
         _planner(tmp_path, monkeypatch, "maybe")
+
+
+def test_refits_come_more_rarely_as_the_buffers_fill():
+    """A refit over full buffers takes ~1 ms; with thousands of tests held, 64 more move the
+    offsets little, so they wait for a sixteenth of those held."""
+    offsets = ServedOffsets(GAMMA, capacity=4096, refit_every=64)
+    all_verified, all_accepted = torch.full((8,), GAMMA), torch.full((8,), GAMMA)
+    for _ in range(1000):  # 8 rounds x 5 positions, every draft accepted at a predicted 0.5
+        offsets.add(torch.zeros(8, GAMMA, dtype=torch.float64), all_verified, all_accepted)
+    held = sum(offsets.tests())
+    assert held == 5 * 4096
+    fitted = offsets.offsets.copy()
+    assert fitted[0] > 2.0, "every test accepted: the offsets rose"
+    rejected = torch.zeros(8, dtype=torch.long)  # now every first draft is rejected
+    for _ in range(8):  # 64 new tests: not yet a sixteenth of 20,480
+        offsets.add(torch.zeros(8, GAMMA, dtype=torch.float64), all_verified, rejected)
+    assert np.array_equal(offsets.offsets, fitted)
+    for _ in range(held // 16 // 8):
+        offsets.add(torch.zeros(8, GAMMA, dtype=torch.float64), all_verified, rejected)
+    assert offsets.offsets[0] < fitted[0], "a sixteenth of the tests held later, the refit came"
