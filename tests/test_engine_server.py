@@ -93,6 +93,12 @@ def test_a_prefix_served_by_the_radix_cache_seeds_the_drafter_from_the_tap_store
     cached = generate(servers[flavour].url, prompt, **greedy(48, ignore_eos=True))
     assert cached["meta_info"]["cached_tokens"] > 0, "the second request did not hit the radix cache"
     assert fresh["output_ids"] == want["output_ids"] and cached["output_ids"] == want["output_ids"]
+    if flavour == "dspark_sync":
+        # The production planner learns between the two requests (served offsets, measured step
+        # costs: on this tiny target it skips the drafter on most steps), so the two verify
+        # different drafts and their tau does not compare. The drafter context is rebuilt by the
+        # same code under both schedulers; the verify-all flavour measures it.
+        return
     assert cached["meta_info"]["spec_accept_length"] >= 0.8 * fresh["meta_info"]["spec_accept_length"], (
         "a cached prefix left the drafter without its context")
 
