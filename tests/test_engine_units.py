@@ -196,7 +196,12 @@ def test_recorder_keeps_a_bounded_ring_but_totals_everything(tmp_path):
     assert [r.step for r in recorder.last()] == [7, 8, 9]
     summary = recorder.summary()
     assert summary["decode_steps"] == 10 and summary["tau"] == 2.0
-    assert len(log.read_text().splitlines()) == 10
+    lines = log.read_text().splitlines()
+    assert len(lines) == 10
+    logged = json.loads(lines[-1])  # every field, requests included, as the benchmarks read them
+    assert logged["step"] == 9 and logged["committed_tokens"] == 4 and logged["measured_seconds"] == 0.01
+    assert logged["requests"] == [{"rid": "r", "slot": 0, "context_len": 10, "verify_len": 4, "accepted": 1,
+                                   "temperature": 0.0, "confidence_logits": [0.0] * 4, "survivals": [0.5] * 4}] * 2
 
 
 def test_verify_spans_come_from_the_extend_fields_of_a_verify_forward_only():
