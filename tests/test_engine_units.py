@@ -585,3 +585,29 @@ def test_packed_window_rows_know_their_request_and_offset_and_which_are_committe
     assert request.tolist() == [0, 1, 1, 1, 3, 3] and offset.tolist() == [0, 0, 1, 2, 0, 1]
     committed = _committed_rows(torch.tensor([1, 3, 2]), accept_lens=torch.tensor([1, 2, 1]))
     assert committed.tolist() == [True, True, True, False, True, False]
+
+
+@pytest.mark.parametrize("native_bf16, panels, layout, target, want", [
+    (False, True, "auto", torch.bfloat16, torch.bfloat16),  # AVX2: the panels stream bf16 weights
+    (False, False, "auto", torch.bfloat16, torch.float32),  # no panel kernel: torch's bf16 GEMM is slow
+    (False, True, "off", torch.bfloat16, torch.float32),  # panels switched off
+    (False, True, "auto", torch.float16, torch.float32),  # the panels take fp32 and bf16 only
+    (True, False, "auto", torch.bfloat16, torch.bfloat16),  # native bf16 math
+    (False, True, "auto", torch.float32, torch.float32),
+])
+def test_the_drafter_dtype_follows_the_target_where_this_cpu_serves_it_fast(monkeypatch, native_bf16, panels,
+                                                                         layout, target, want):
+    from types import SimpleNamespace
+
+    from sglang_dspark.engine import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(worker_module, "vector_isa_supported", lambda: panels)
+    monkeypatch.setattr(worker_module, "gemm_layout_mode", lambda: layout)
+    worker = object.__new__(worker_module.DSparkLiveWorker)
+    worker.settings = SimpleNamespace(draft_dtype="auto")
+    worker.model_runner = SimpleNamespace(dtype=target)
+    worker.device = "cpu"
+    assert worker._draft_dtype() == want
+    worker.settings = SimpleNamespace(draft_dtype="float32")  # an explicit choice always wins
+    assert worker._draft_dtype() == torch.float32

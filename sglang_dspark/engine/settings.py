@@ -14,7 +14,7 @@ process, with a clear error for a bad value:
 | `DSPARK_RECORDS` | 2048 | per-step records kept in memory (bounded ring) |
 | `DSPARK_SEED` | 0 | seed of the drafter's and verifier's sampling generator |
 | `DSPARK_STEP_LOG` | unset | also append every step record as a JSON line to this file (benchmarks) |
-| `DSPARK_DRAFT_DTYPE` | `auto` | the drafter's dtype: `auto` (the target's, except float32 on a CPU without native bf16 math, where bf16 drafting ran ~2x slower), `float32`, `bfloat16`, `float16` |
+| `DSPARK_DRAFT_DTYPE` | `auto` | the drafter's dtype: `auto` (the target's, except float32 on a CPU without native bf16 math where the plugin's weight panels cannot serve bf16, and there bf16 drafting ran ~2x slower), `float32`, `bfloat16`, `float16` |
 | `DSPARK_PREFIX_CACHE` | `on` | keep SGLang's radix (prefix) cache: the worker stores every committed token's taps beside its KV slot (the tap store, one row per KV slot), so a prefix served from the cache seeds the drafter's context without a target forward; `off` disables the radix cache |
 | `DSPARK_SERVED_OFFSETS` | `on` | with the production planner, correct each temperature class's calibration per draft position by an offset learnt from the server's own verify rounds (`calibration.served_offsets`: on served greedy traffic the offline calibration under-predicted acceptance from position 2 on, so the early stop refused drafts that paid); `off`: the calibration files (and live refits) alone |
 | `DSPARK_VERIFY_ATTENTION` | `linear` | CPU verify attention: `linear` (the window's queries over the request's KV only: the paged kernel, or SDPA with `DSPARK_CPU_ATTENTION=sdpa`) or `native` (SGLang torch_native extend, re-attends the prefix) |
