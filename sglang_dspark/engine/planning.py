@@ -46,12 +46,12 @@ if TYPE_CHECKING:
     from sglang_dspark.scheduling.cost_model import StepShape
 
 EXPLORE_EVERY = 16
+"""After this many steps without drafting, the next step drafts anyway (about 1 % extra cost)."""
 ROUNDS_PER_FLUSH = 8
 """Drafted steps whose verify rounds are kept before the served offsets and the live
 recalibration take them in, as one batch: each intake costs ~0.3-0.8 ms of numpy and torch calls
 whatever its size, on the step's critical path (a CPU step is 35-90 ms), and neither fit moves in
 8 steps."""
-"""After this many steps without drafting, the next step drafts anyway (about 1 % extra cost)."""
 
 
 class DraftCostTracker:
