@@ -4,8 +4,8 @@
 and the CUDA-only PyPI build cannot load, (2) on the CPU engine, lays out the target's linear
 weights for small batches after loading (`kernels_cpu.gemm_layout`: column-major float32 and
 weight panels, 2-4x faster 2-32-row GEMMs), routes decode attention through a kernel that
-reads the KV cache in place (`kernels_cpu.cpu_attention`) and RMSNorm and rotary embedding through
-one-call kernels (`kernels_cpu.layer_hooks`), in plain and speculative servers alike, and (3) registers the speculative algorithm `DSPARK_LIVE` (overlap-capable, V2 result schema). Serving then needs only:
+reads the KV cache in place (`kernels_cpu.cpu_attention`) and RMSNorm, rotary embedding and
+SiLU-and-multiply through one-call kernels (`kernels_cpu.layer_hooks`), in plain and speculative servers alike, and (3) registers the speculative algorithm `DSPARK_LIVE` (overlap-capable, V2 result schema). Serving then needs only:
 
     SGLANG_USE_CPU_ENGINE=1 python -m sglang.launch_server --device cpu \
         --model-path TARGET --speculative-algorithm DSPARK_LIVE --speculative-draft-model-path DRAFTER
@@ -47,7 +47,8 @@ def register() -> None:
 
             from sglang_dspark.kernels_cpu.cpu_attention import DECODE_TARGET, around_forward_decode, attention_mode
             from sglang_dspark.kernels_cpu.gemm_layout import after_load_model, gemm_layout_mode, panel_rows_setting
-            from sglang_dspark.kernels_cpu.layer_hooks import (RMSNORM_TARGET, ROTARY_TARGET, around_rmsnorm, around_rotary,
+            from sglang_dspark.kernels_cpu.layer_hooks import (RMSNORM_TARGET, ROTARY_TARGET, SILU_AND_MUL_TARGET,
+                                                               around_rmsnorm, around_rotary, around_silu_and_mul,
                                                                layer_ops_mode)
 
             gemm_layout_mode()  # a bad DSPARK_CPU_* value fails at start, not after loading
@@ -59,6 +60,7 @@ def register() -> None:
             HookRegistry.register(DECODE_TARGET, around_forward_decode, HookType.AROUND)
             HookRegistry.register(RMSNORM_TARGET, around_rmsnorm, HookType.AROUND)
             HookRegistry.register(ROTARY_TARGET, around_rotary, HookType.AROUND)
+            HookRegistry.register(SILU_AND_MUL_TARGET, around_silu_and_mul, HookType.AROUND)
 
     SpeculativeAlgorithm.register(
         ALGORITHM_NAME,

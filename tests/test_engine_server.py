@@ -128,7 +128,7 @@ def test_plain_and_speculative_cpu_servers_get_the_same_cpu_kernels(servers):
         assert re.search(r"[1-9]\d* float32 linear weights stored column-major", log), name
         assert re.search(r"[1-9]\d* linears multiply small batches through weight panels", log), name
         assert "decode and verify attention read the KV cache in place" in log, name
-        assert "RMSNorm and rotary embedding run as one kernel call each" in log, name
+        assert "RMSNorm, rotary embedding and SiLU-and-multiply run as one kernel call each" in log, name
 
 
 def test_a_drafter_not_worth_its_cost_is_skipped_and_output_stays_exact(servers, baseline_outputs, server_pool):

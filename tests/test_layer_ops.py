@@ -1,5 +1,5 @@
-"""RMSNorm and rotary embedding kernels against SGLang's own `forward_native`, and the hooks that
-route SGLang's CPU layers through them."""
+"""RMSNorm, rotary embedding and SiLU-and-multiply kernels against SGLang's own `forward_native`,
+and the hooks that route SGLang's CPU layers through them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sglang_dspark.kernels_cpu import layer_hooks
-from sglang_dspark.kernels_cpu.layer_ops import add_rmsnorm, rope_neox, row_argmax
+from sglang_dspark.kernels_cpu.layer_ops import add_rmsnorm, rope_neox, row_argmax, silu_and_mul
 
 
 @pytest.fixture
@@ -78,6 +78,28 @@ def test_rotary_hook_rotates_like_sglang_neox(kernels_on, dtype, tolerance, rota
     q_want, k_want = RotaryEmbedding.forward_native(rotary, positions, q.float(), k.float())
     torch.testing.assert_close(q_out.float(), q_want, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(k_out.float(), k_want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_hook_computes_what_sglang_computes_and_rows_do_not_depend_on_each_other(kernels_on, dtype):
+    from sglang.srt.layers.activation import SiluAndMul
+
+    generator = torch.Generator().manual_seed(2)
+    # SmolLM2's MLP width, a width that is no multiple of 16, and 40 rows (torch's own threaded size)
+    for rows, width in ((3, 1536), (40, 1536), (5, 37)):
+        x = (4 * torch.randn(rows, 2 * width, generator=generator)).to(dtype)
+        got = layer_hooks.around_silu_and_mul(SiluAndMul.forward_native, None, x)
+        want = SiluAndMul.forward_native(None, x)
+        assert got.shape == want.shape and got.dtype == dtype
+        if dtype == torch.bfloat16:  # the SiLU rounds to bfloat16 before the product, as in torch
+            assert (got != want).float().mean() < 1e-3
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert torch.equal(silu_and_mul(x[rows - 1 :]), got[rows - 1 :])
+    strided = torch.randn(4, 64).to(dtype)[:, :32]  # not unit-stride rows of [gate, up]: SGLang's code
+    assert torch.equal(layer_hooks.around_silu_and_mul(SiluAndMul.forward_native, None, strided.t().contiguous().t()),
+                       SiluAndMul.forward_native(None, strided.t().contiguous().t()))
 
 
 def test_positions_outside_the_rotary_cache_are_refused():

@@ -1,8 +1,16 @@
-"""SGLang's RMSNorm and rotary embedding on CPU through `layer_ops` (AROUND hooks on `forward_native`).
+"""SGLang's RMSNorm, rotary embedding and SiLU-and-multiply on CPU through `layer_ops` (AROUND
+hooks on `forward_native`).
 
 Registered by the plugin in every CPU server, plain serving included. A call the kernels do not
 fit (a variance or dtype override, a float32 residual, a GPT-J rotary, offsets, another device)
 goes to SGLang's own `forward_native` unchanged.
+
+SiLU-and-multiply is two torch ops, cheap alone; but from 22 rows (32,768 elements of SmolLM2's
+MLP) torch runs each as an OpenMP region over both cores, and on a 2-core server whose tokenizer
+and detokenizer processes take turns on those cores a region waits for a descheduled thread:
+measured beside a busy process, 22-100 rows took ~10 ms a layer where the kernel, on one
+thread, takes 0.1-0.35 ms. Verify windows of 22+ rows (batch 16 with drafts) and prefills hit it
+on every layer; one-token steps at batch 16 do not.
 
 `DSPARK_CPU_LAYER_OPS`: `kernel` (default) or `torch` (SGLang's ops). Where the kernels cannot be
 built (no AVX-512F or AVX2 + FMA, or no compiler) the server logs why once and serves as with
@@ -15,11 +23,12 @@ import functools
 
 from sglang_dspark.kernels_cpu.build import env_choice, kernel_loads
 from sglang_dspark.kernels_cpu.layer_ops import (add_rmsnorm, load_layer_ops, rmsnorm_input_fits, rmsnorm_weight_fits,
-                                                rope_fits, rope_neox)
+                                                rope_fits, rope_neox, silu_and_mul, silu_and_mul_fits)
 
 MODES = ("kernel", "torch")
 RMSNORM_TARGET = "sglang.srt.layers.layernorm.RMSNorm.forward_native"
 ROTARY_TARGET = "sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.forward_native"
+SILU_AND_MUL_TARGET = "sglang.srt.layers.activation.SiluAndMul.forward_native"
 
 
 def layer_ops_mode() -> str:
@@ -31,7 +40,7 @@ def kernels_enabled() -> bool:
     """`DSPARK_CPU_LAYER_OPS=kernel` and the kernels load here (why not is logged once)."""
     return layer_ops_mode() == "kernel" and kernel_loads(
         load_layer_ops, "no layer-op kernels, SGLang's torch RMSNorm and rotary serve (slower)",
-        "RMSNorm and rotary embedding run as one kernel call each (DSPARK_CPU_LAYER_OPS=kernel)")
+        "RMSNorm, rotary embedding and SiLU-and-multiply run as one kernel call each (DSPARK_CPU_LAYER_OPS=kernel)")
 
 
 def _kernel_serves_norm(norm) -> bool:
@@ -62,3 +71,10 @@ def around_rotary(original, rotary, positions, query, key, offsets=None, fused_s
             or not rope_fits(positions, query, key, rotary.head_size, rotary.rotary_dim, rotary.cos_sin_cache)):
         return original(rotary, positions, query, key, offsets, fused_set_kv_buffer_arg, **kwargs)
     return rope_neox(positions, query, key, rotary.head_size, rotary.rotary_dim, rotary.cos_sin_cache)
+
+
+def around_silu_and_mul(original, op, x, **kwargs):
+    """AROUND `SiluAndMul.forward_native`: `silu(x[:, :d]) * x[:, d:]` as a new tensor."""
+    if kwargs or not kernels_enabled() or not silu_and_mul_fits(x):
+        return original(op, x, **kwargs)
+    return silu_and_mul(x)

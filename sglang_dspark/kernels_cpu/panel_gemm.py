@@ -55,7 +55,8 @@ and float32 (MKL column-major against panels) 40.4 / 37.8 at 1 row, 175.4 / 68.6
 
 The kernel needs AVX-512F, or AVX2 with FMA, and a C++ compiler (`g++`, or `$CXX`); it is built with `-march=native`
 into `$DSPARK_CACHE/kernels/` (about 2 s, once per source and machine) and loaded with ctypes. It
-runs on the OpenMP pool torch already loaded (libgomp), with torch's thread count.
+runs on the OpenMP pool torch already loaded (libgomp), with torch's thread count, handing
+the panels out one at a time (a thread another process deschedules leaves its panels to the other).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ inline void vstore_masked(float* p, lanemask mask, vec16 v) { _mm512_mask_storeu
 inline vec16 vadd(vec16 a, vec16 b) { return _mm512_add_ps(a, b); }
 inline vec16 vsub(vec16 a, vec16 b) { return _mm512_sub_ps(a, b); }
 inline vec16 vmul(vec16 a, vec16 b) { return _mm512_mul_ps(a, b); }
+inline vec16 vdiv(vec16 a, vec16 b) { return _mm512_div_ps(a, b); }
 inline vec16 vmax(vec16 a, vec16 b) { return _mm512_max_ps(a, b); }
 inline vec16 vfmadd(vec16 a, vec16 b, vec16 c) { return _mm512_fmadd_ps(a, b, c); }   // a * b + c
 inline vec16 vfnmadd(vec16 a, vec16 b, vec16 c) { return _mm512_fnmadd_ps(a, b, c); } // c - a * b
@@ -96,6 +97,7 @@ inline void vstore_masked(float* p, lanemask mask, vec16 v) {
 inline vec16 vadd(vec16 a, vec16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline vec16 vsub(vec16 a, vec16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
 inline vec16 vmul(vec16 a, vec16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline vec16 vdiv(vec16 a, vec16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 inline vec16 vmax(vec16 a, vec16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
 inline vec16 vfmadd(vec16 a, vec16 b, vec16 c) {
   return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
