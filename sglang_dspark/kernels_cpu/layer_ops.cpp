@@ -1,7 +1,7 @@
 // The small per-token ops of a decoder layer, one call each instead of 2-40 torch ops:
 // residual add + RMSNorm, neox-style rotary embedding of queries and keys, and SiLU-and-multiply.
 //
-// Both work row by row, each row by one thread in a fixed order, so a row's result does not depend
+// Each works row by row, each row by one thread in a fixed order, so a row's result does not depend
 // on the rows beside it (a verify window reproduces the one-token decode bit for bit). Arithmetic
 // is float32, rounded once at the end (bfloat16: to nearest even, as torch does).
 #include <stdint.h>
@@ -139,7 +139,6 @@ int64_t row_argmax(const T* row, int64_t cols) {
   }
   return best_index;
 }
-
 
 // -|x| (min(x, -x) without a vector min).
 inline vec16 negative_abs(vec16 x) { return vsub(vzero(), vmax(x, vsub(vzero(), x))); }

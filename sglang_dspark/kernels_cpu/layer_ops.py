@@ -143,8 +143,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`F.silu(x[:, :d]) * x[:, d:]` (SGLang's `SiluAndMul`): two torch ops and a strided view,
     ~60 us a layer at batch 1 on this CPU, where the kernel takes a few. bfloat16 rounds the SiLU
     before the product, as torch does; the SiLU's exponential is the kernels' own (within 2 ulp
-    of expf), so a product may differ from torch's in its last bfloat16 bit. Check
-    `silu_and_mul_fits` first."""
+    of expf, floored at e^-88), so a product may differ from torch's in its last bit, and a gate
+    below -88 gives a SiLU of ~-1e-36 where torch's is -0. Check `silu_and_mul_fits` first."""
     d = x.shape[1] // 2
     out = torch.empty((x.shape[0], d), dtype=x.dtype)
     load_layer_ops().dspark_silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], d,
