@@ -25,7 +25,8 @@ SERVER_FLAVOURS = {
     # the production planner (any cost table will do: it only has to make windows ragged),
     # overlap scheduling off
     "dspark_sync": (["--speculative-algorithm", "DSPARK_LIVE", "--disable-overlap-schedule"],
-                    {"DSPARK_PLANNER": "production", "DSPARK_SPS_PATH": str(PROFILE)}),
+                    {"DSPARK_PLANNER": "production", "DSPARK_SPS_PATH": str(PROFILE),
+                     "DSPARK_STEP_LOG": "{log_dir}/dspark_sync-steps.jsonl"}),
     # the production planner over a table of ~1 ms steps: the drafter costs more than its drafts
     # return, so most steps skip it and now and then a probe drafts; every step is logged
     "dspark_skip": (["--speculative-algorithm", "DSPARK_LIVE"],

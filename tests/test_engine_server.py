@@ -55,6 +55,10 @@ def servers(server_pool):
     return dict(zip(names, server_pool.get(*names)))
 
 
+def _step_log(server_pool, flavour: str) -> list[dict]:
+    return [json.loads(line) for line in (server_pool.log_dir / f"{flavour}-steps.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
 def baseline_outputs(servers):
     requests = [(p, greedy(n, ignore_eos=True)) for p, n in zip(PROMPTS, MAX_NEW)]
@@ -62,19 +66,26 @@ def baseline_outputs(servers):
 
 
 @pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
-def test_greedy_output_equals_plain_serving_for_8_concurrent_requests(servers, baseline_outputs, flavour):
+def test_greedy_output_equals_plain_serving_for_8_concurrent_requests(servers, baseline_outputs, server_pool,
+                                                                      flavour):
     requests = [(p, greedy(n, ignore_eos=True)) for p, n in zip(PROMPTS, MAX_NEW)]
     outputs = generate_all(servers[flavour].url, requests)
     for i, (got, want) in enumerate(zip(outputs, baseline_outputs)):
         assert got["output_ids"] == want["output_ids"], f"request {i} diverged from plain serving"
         assert got["meta_info"]["completion_tokens"] == MAX_NEW[i]
     accept_lengths = [out["meta_info"]["spec_accept_length"] for out in outputs]
-    # the production planner (dspark_sync) drafts only where drafts pay for their measured cost on
-    # this machine at that moment (on a cheap tiny target it mostly skips, its probes still
-    # verify some): it must have accepted some drafts, how many depends on the machine's timing
-    # (a clean-clone run read 1.03-1.125 where others read above 1.2)
-    least = 1.5 if flavour == "dspark_overlap" else 1.0
-    assert max(accept_lengths) > least, f"drafts were hardly ever accepted: {accept_lengths}"
+    if flavour == "dspark_overlap":  # every draft verified
+        assert max(accept_lengths) > 1.5, f"drafts were hardly ever accepted: {accept_lengths}"
+    else:
+        # the production planner drafts only where drafts pay for their measured cost on this
+        # machine at that moment, so tokens per step depend on its timing (clean-clone runs read
+        # 1.03-1.14); the drafts it chose to verify, by their survival, must mostly be accepted
+        # (0.52 of them in a run that read 1.03-1.14 tokens a step)
+        rows = [row for step in _step_log(server_pool, flavour) if step["drafted"] for row in step["requests"]]
+        verified = sum(row["verify_len"] for row in rows)
+        assert verified > 0, "the production planner never verified a draft"
+        accepted_share = sum(row["accepted"] for row in rows) / verified
+        assert accepted_share > 0.3, f"{accepted_share:.2f} of the verified drafts accepted ({accept_lengths})"
     drafts_rejected = [out["meta_info"]["spec_accept_rate"] < 1.0 for out in outputs]
     assert any(drafts_rejected), "no request ever rejected a draft: the rejection path went untested"
     window_widths = {width for out in outputs
