@@ -194,3 +194,19 @@ def test_measured_cpu_profiles_load_and_are_monotone_in_tokens():
             assert "command" in model.metadata and "cpu" in json.dumps(model.metadata["hardware"])
             curve = [model.predict(StepShape(16, 16 * w, 16 * 512)) for w in range(1, 9)]
             assert all(b >= a for a, b in zip(curve, curve[1:]))
+
+
+def test_a_noisy_live_sweep_fits_its_own_batch_one_steps():
+    """A real sweep (session 26, a noisy VM: batch-1 steps 31-59 ms) whose reweighted solves once
+    ran out of iterations: the fitted table predicted 10 ms for batch-1 steps measured at 46 ms, so
+    the planner would have thought drafting nearly free. The fit must reproduce its own probes."""
+    from pathlib import Path
+
+    probes = ProbeSet.load(Path(__file__).parent / "data" / "live-sweep-noisy-vm.probes.json").probes
+    model = fit_context(probes, META)
+    assert model.metadata["fit"]["median_relative_error"] < 0.08
+    one_token = [p for p in probes if p.num_requests == 1 and p.batch_tokens == 1 and len(p.seconds) > 5]
+    assert one_token, "the fixture has batch-1 one-token probes"
+    for probe in one_token:
+        predicted = model.predict(StepShape(1, 1, probe.context_tokens))
+        assert predicted == pytest.approx(probe.median_seconds, rel=0.25)
