@@ -219,6 +219,7 @@ def sps_cpu(
 
     from sglang_dspark.runtime import set_torch_threads
     from sglang_dspark.scheduling.fit import fit_all
+    from sglang_dspark.scheduling.probes import ProbeError
     from sglang_dspark.scheduling.measure import (
         SMOLLM2_135M_SHAPE,
         build_llama,
@@ -252,8 +253,14 @@ def sps_cpu(
                                        "num_hidden_layers": model.config.num_hidden_layers},
                                       progress=say)
         probes.metadata["command"] = command
-        probes.save(out_dir / f"cpu-smollm2-135m-{name}.probes.json")
-        for kind, fitted in fit_all(probes).items():
+        probes_path = out_dir / f"cpu-smollm2-135m-{name}.probes.json"
+        probes.save(probes_path)
+        try:
+            fitted_models = fit_all(probes)
+        except ProbeError as error:
+            typer.echo(f"error: cannot fit cost models to {probes_path} (kept): {error}", err=True)
+            raise typer.Exit(code=1) from None
+        for kind, fitted in fitted_models.items():
             fitted.save(out_dir / f"cpu-smollm2-135m-{name}-{kind}.json")
             say(f"  {kind}: {fitted.metadata.get('fit')}")
 
