@@ -219,7 +219,6 @@ def sps_cpu(
 
     from sglang_dspark.runtime import set_torch_threads
     from sglang_dspark.scheduling.fit import fit_all
-    from sglang_dspark.scheduling.probes import ProbeError
     from sglang_dspark.scheduling.measure import (
         SMOLLM2_135M_SHAPE,
         build_llama,
@@ -227,6 +226,7 @@ def sps_cpu(
         measure_llama_probes,
         probe_grid,
     )
+    from sglang_dspark.scheduling.probes import ProbeError
 
     set_torch_threads(threads)
     command = "dspark-ctl bench sps-cpu " + " ".join(sys.argv[3:])
