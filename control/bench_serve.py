@@ -196,6 +196,7 @@ def step_summary(step_log: Path, skip: int = 0) -> dict:
         "decode_steps": len(steps),
         "drafted_share": len(drafted) / len(steps),
         "vetoed_share": sum(bool(s.get("vetoed")) for s in steps) / len(steps),
+        "lookup_round_share": _lookup_round_share(drafted),
         "draft_seconds_median": statistics.median(s["draft_seconds"] for s in drafted) if drafted else None,
         "draft_parts_median": {part: statistics.median(s.get(f"{part}_seconds", 0.0) for s in drafted)
                                for part in DRAFT_PARTS} if drafted else None,
@@ -203,6 +204,12 @@ def step_summary(step_log: Path, skip: int = 0) -> dict:
         "step_seconds_median": statistics.median(s["measured_seconds"] for s in steps),
         "predicted_over_measured_median": statistics.median(predicted) if predicted else None,
     }
+
+
+def _lookup_round_share(drafted_steps: list[dict]) -> float | None:
+    """Of the drafted steps' request rounds, the share that verified lookup drafts (`engine.lookup`)."""
+    rounds = [request for step in drafted_steps for request in step.get("requests", ())]
+    return sum(request.get("lookup_drafts", 0) > 0 for request in rounds) / len(rounds) if rounds else None
 
 
 def verify_cost(launch: ServerLaunch, model_path: str, contexts: list[int], log_dir: Path) -> dict:

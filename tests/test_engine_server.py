@@ -86,6 +86,9 @@ def test_greedy_output_equals_plain_serving_for_8_concurrent_requests(servers, b
         assert verified > 0, "the production planner never verified a draft"
         accepted_share = sum(row["accepted"] for row in rows) / verified
         assert accepted_share > 0.3, f"{accepted_share:.2f} of the verified drafts accepted ({accept_lengths})"
+        # the tiny target's greedy text repeats itself, so some blocks were lookup drafts (and the
+        # outputs above still equal plain serving's); 18 of 208 drafted rounds in a local run
+        assert any(row["lookup_drafts"] > 0 for row in rows), "no request ever proposed lookup drafts"
     drafts_rejected = [out["meta_info"]["spec_accept_rate"] < 1.0 for out in outputs]
     assert any(drafts_rejected), "no request ever rejected a draft: the rejection path went untested"
     window_widths = {width for out in outputs

@@ -40,6 +40,7 @@ import torch
 
 from sglang_dspark.calibration.served_offsets import ServedOffsets
 from sglang_dspark.engine.live_calibration import KINDS, LiveRecalibrator
+from sglang_dspark.engine.lookup import LookupSurvival
 from sglang_dspark.engine.settings import LiveSettings
 
 if TYPE_CHECKING:
@@ -183,6 +184,7 @@ class Plan:
     confidence_logits: torch.Tensor | None
     survivals: torch.Tensor | None
     step_shape: StepShape | None = None  # what was predicted (production planner only)
+    lookup_lens: torch.Tensor | None = None  # [B] lookup drafts in place of the drafter's (0: none)
 
 
 class VerifyPlanner:
@@ -199,6 +201,7 @@ class VerifyPlanner:
         self.recalibrator = None
         self.served_offsets: dict[str, ServedOffsets] | None = None  # per temperature class
         self._pending_rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.lookup_survival = LookupSurvival(self.gamma)
         if settings.planner == "production":
             from sglang_dspark.scheduling.cost_model import load_cost_model
             from sglang_dspark.scheduling.planner import EarlyStopPlanner
@@ -268,40 +271,59 @@ class VerifyPlanner:
                             vetoed=self.capacity_planner.vetoed)
 
     def plan(self, request_ids: list, confidence_logits: torch.Tensor | None, context_lens: torch.Tensor,
-             decision: StepDecision | None = None, greedy: torch.Tensor | None = None) -> Plan:
+             decision: StepDecision | None = None, greedy: torch.Tensor | None = None,
+             lookup_lens: torch.Tensor | None = None) -> Plan:
         """Verify lengths for this step, given the drafts' confidence logits [B, w] (w <= gamma:
         the drafter ran only the decision's draft width).
 
         `confidence_logits` is None for a drafter without a confidence head (a DFlash drafter): only
         `all` and `fixed` can plan without survivals, and `load_settings` refuses `production` for
         such a drafter at launch. `decision` is this step's `decide` (made here when not given);
-        `greedy` [B] marks the greedy requests (their own calibration)."""
+        `greedy` [B] marks the greedy requests (their own calibration); `lookup_lens` [B] counts the
+        lookup drafts (`engine.lookup`) that replaced a request's block (0: none): those rows take
+        the lookup survivals, and never verify past their lookup drafts."""
         batch = len(request_ids)
         decision = decision or self.decide(request_ids, context_lens)
         if confidence_logits is None:
             if self.settings.planner == "production":
                 raise ValueError("the production planner needs a drafter with a confidence head")
-            return Plan(verify_lens=torch.full((batch,), self._next_static_drafts(), dtype=torch.long), capacity=None,
-                        predicted_seconds=None, confidence_logits=None, survivals=None)
+            verify_lens = _within_lookup(torch.full((batch,), self._next_static_drafts(), dtype=torch.long), lookup_lens)
+            return Plan(verify_lens=verify_lens, capacity=None, predicted_seconds=None, confidence_logits=None,
+                        survivals=None, lookup_lens=lookup_lens)
         confidence_logits = confidence_logits[:, : self.gamma].float().cpu()
         width = confidence_logits.shape[1]
         # survivals are prefix products: slots past the drafted width (padding here) change none
         # of the first `width`, and neither the verify lengths (max_lens) nor publish read them
         padded = torch.nn.functional.pad(confidence_logits, (0, self.gamma - width))
         survivals = self.survivals(padded, greedy)
+        if lookup_lens is not None:
+            survivals = self._with_lookup_survivals(survivals, lookup_lens)
         if self.settings.planner != "production":
-            verify_lens = torch.full((batch,), min(self._next_static_drafts(), width), dtype=torch.long)
+            verify_lens = _within_lookup(torch.full((batch,), min(self._next_static_drafts(), width), dtype=torch.long),
+                                         lookup_lens)
             return Plan(verify_lens=verify_lens, capacity=None, predicted_seconds=None,
-                        confidence_logits=confidence_logits, survivals=survivals[:, :width])
+                        confidence_logits=confidence_logits, survivals=survivals[:, :width], lookup_lens=lookup_lens)
         if not decision.draft:
             raise ValueError("plan() needs drafts: a step decided not to draft takes skipped()")
         width = min(width, decision.draft_width)
-        verify_lens = self.capacity_planner.verify_lens(survivals, width, float(context_lens.sum()))
+        verify_lens = _within_lookup(self.capacity_planner.verify_lens(survivals, width, float(context_lens.sum())),
+                                     lookup_lens)
         self.capacity_planner.publish(request_ids, survivals, width)
         shape = self._shape(batch, int(verify_lens.sum()), context_lens)
         return Plan(verify_lens=verify_lens, capacity=decision.capacity, predicted_seconds=self._predict(shape),
                     confidence_logits=confidence_logits[:, :width], survivals=survivals[:, :width],
-                    step_shape=shape)
+                    step_shape=shape, lookup_lens=lookup_lens)
+
+    def _with_lookup_survivals(self, survivals: torch.Tensor, lookup_lens: torch.Tensor) -> torch.Tensor:
+        """Rows with lookup drafts take the served lookup survivals, zero past their drafts."""
+        rows = lookup_lens > 0
+        if not bool(rows.any()):
+            return survivals
+        survivals = survivals.clone()
+        positions = torch.arange(1, self.gamma + 1)
+        lookup = self.lookup_survival.survivals()[None, :] * (positions[None, :] <= lookup_lens[rows, None])
+        survivals[rows] = lookup.to(survivals.dtype)
+        return survivals
 
     def skipped(self, request_ids: list, context_lens: torch.Tensor) -> Plan:
         """The plan of a step that did not draft: every request verifies only its bonus token."""
@@ -333,11 +355,20 @@ class VerifyPlanner:
     def observe_rounds(self, plan: Plan, num_accepted: torch.Tensor, greedy: torch.Tensor) -> None:
         """A drafted step's verify outcomes (accepted drafts [B], greedy [B]) for the served
         offsets of each temperature class and live recalibration, taken in every
-        `ROUNDS_PER_FLUSH` drafted steps (`flush_rounds`)."""
-        if plan.confidence_logits is None or (self.served_offsets is None and self.recalibrator is None):
+        `ROUNDS_PER_FLUSH` drafted steps (`flush_rounds`); lookup rounds go to the lookup
+        survivals at once (their drafts are not the drafter's, so they say nothing of its head)."""
+        if plan.confidence_logits is None:
             return
-        logits = torch.nn.functional.pad(plan.confidence_logits, (0, self.gamma - plan.confidence_logits.shape[1]))
-        self._pending_rounds.append((logits, plan.verify_lens, num_accepted.cpu(), greedy.bool().cpu()))
+        verify_lens, num_accepted, greedy = plan.verify_lens, num_accepted.cpu(), greedy.bool().cpu()
+        logits = plan.confidence_logits
+        if plan.lookup_lens is not None:  # lookup rounds teach the lookup survivals, not the calibration
+            lookup = plan.lookup_lens > 0
+            self.lookup_survival.add(verify_lens[lookup], num_accepted[lookup])
+            logits, verify_lens, num_accepted, greedy = logits[~lookup], verify_lens[~lookup], num_accepted[~lookup], greedy[~lookup]
+        if self.served_offsets is None and self.recalibrator is None:
+            return
+        logits = torch.nn.functional.pad(logits, (0, self.gamma - logits.shape[1]))
+        self._pending_rounds.append((logits, verify_lens, num_accepted, greedy))
         if len(self._pending_rounds) >= ROUNDS_PER_FLUSH:
             self.flush_rounds()
 
@@ -382,3 +413,10 @@ class VerifyPlanner:
 
     def _predict(self, shape: StepShape | None) -> float | None:
         return None if shape is None else self.capacity_planner.cost_model.predict(shape)
+
+
+def _within_lookup(verify_lens: torch.Tensor, lookup_lens: torch.Tensor | None) -> torch.Tensor:
+    """Verify lengths cut to each lookup row's drafts (rows without lookup drafts unchanged)."""
+    if lookup_lens is None:
+        return verify_lens
+    return torch.where(lookup_lens > 0, torch.minimum(verify_lens, lookup_lens), verify_lens)

@@ -26,6 +26,7 @@ class RequestStep:
     temperature: float
     confidence_logits: list[float]
     survivals: list[float]
+    lookup_drafts: int = 0  # drafts taken from the request's own earlier text (`engine.lookup`), not the drafter
 
 
 @dataclass(frozen=True)

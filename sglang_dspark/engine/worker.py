@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -38,6 +38,7 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block, verify_greedy, verify_packed
 from sglang_dspark.decoding.verification import TargetSampler
 from sglang_dspark.engine import verify_attention
+from sglang_dspark.engine.lookup import SlotLookups
 from sglang_dspark.engine.planning import StepDecision, VerifyPlanner
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
 from sglang_dspark.engine.settings import load_settings
@@ -106,6 +107,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         self.context: DraftContextCache | None = None
         self.tap_store: torch.Tensor | None = None
         self._slot_owner: dict[int, str] = {}
+        self.lookups = SlotLookups() if self.settings.lookup else None
         self.vocab_size = self.model_runner.model_config.vocab_size
         self.row_argmax = _row_argmax_for(self.device)
         self.kernel_walk = _kernel_walk_for(self.drafter)
@@ -114,10 +116,10 @@ class DSparkLiveWorker(BaseSpecWorker):
         _ACTIVE_WORKER = self
         logger.info(
             "DSPARK_LIVE worker: drafter %s (%s), gamma %d, taps %s, planner %s (cost model %s, served offsets %s), "
-            "overlap %s, verify attention %s",
+            "overlap %s, verify attention %s, lookup drafts %s",
             self.settings.draft_path, self.drafter.dtype, self.gamma, list(self.drafter.target_layer_ids),
             self.settings.planner, self.settings.sps_path, "on" if self.planner.served_offsets else "off",
-            self.enable_overlap, self.settings.verify_attention,
+            self.enable_overlap, self.settings.verify_attention, "on" if self.lookups else "off",
         )
 
     # ------------------------------------------------------------------ set-up
@@ -209,6 +211,9 @@ class DSparkLiveWorker(BaseSpecWorker):
                 f"hidden capture, got {None if taps is None else tuple(taps.shape)}"
             )
         self._store_taps(batch.out_cache_loc, taps)
+        if self.lookups is not None:
+            for slot, req in zip(slots.tolist(), batch.reqs):
+                self.lookups.reset(slot, list(req.get_fill_ids()))  # the tokens whose KV this extend completed
         result.logits_output.hidden_states = None
         result.new_seq_lens = batch.seq_lens
         if on_publish is not None:
@@ -285,7 +290,9 @@ class DSparkLiveWorker(BaseSpecWorker):
                                      self.generator)
             times.walk, clock = _lap(clock)
             self.planner.draft_costs.add(batch_size, decision.draft_width, times.block, times.walk)
-            plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision, greedy=params.greedy)
+            draft, lookup_lens = self._with_lookup_drafts(draft, slots, bonus, seq_lens, params)
+            plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision, greedy=params.greedy,
+                                     lookup_lens=lookup_lens)
             times.plan, _ = _lap(clock)
             drafts = draft.tokens
         else:  # drafts would cost more than they return: this step is a plain decode step
@@ -311,6 +318,9 @@ class DSparkLiveWorker(BaseSpecWorker):
         self._store_taps(window_kv_slots, taps)  # a one-token step commits every row
         rows = torch.arange(batch_size)
         new_bonus = outcome.tokens[rows, outcome.num_accepted]
+        if self.lookups is not None:  # committed: the bonus and the accepted drafts
+            for b, (slot, accepted) in enumerate(zip(slots.tolist(), outcome.num_accepted.tolist())):
+                self.lookups.commit(slot, [int(bonus[b])] + outcome.tokens[b, :accepted].tolist())
         if on_publish is not None:
             on_publish(new_seq_lens.to(self.device))
 
@@ -329,6 +339,23 @@ class DSparkLiveWorker(BaseSpecWorker):
             can_run_cuda_graph=False,
             speculative_num_draft_tokens=self.stride,
         )
+
+    def _with_lookup_drafts(self, draft: DraftBlock, slots: torch.Tensor, bonus: torch.Tensor,
+                            seq_lens: torch.Tensor, params: SamplingParams) -> tuple[DraftBlock, torch.Tensor | None]:
+        """Greedy requests whose text repeats verify their lookup drafts (`engine.lookup`) in place
+        of the drafter's block; returns the block and each request's lookup draft count (None: off)."""
+        if self.lookups is None or not bool(params.greedy.any()):
+            return draft, None
+        width = int(draft.tokens.shape[1])
+        proposals = self.lookups.propose(slots.tolist(), bonus.tolist(), seq_lens.tolist(), params.greedy.tolist(), width)
+        lookup_lens = torch.tensor([len(tokens) for tokens in proposals], dtype=torch.long)
+        if not bool((lookup_lens > 0).any()):
+            return draft, lookup_lens
+        tokens = draft.tokens.clone()
+        for b, proposal in enumerate(proposals):
+            if proposal:
+                tokens[b, : len(proposal)] = torch.tensor(proposal, dtype=tokens.dtype)
+        return replace(draft, tokens=tokens), lookup_lens
 
     def _attention_backends(self) -> list:
         runner = self.model_runner
@@ -404,10 +431,11 @@ class DSparkLiveWorker(BaseSpecWorker):
         survivals = no_head if plan.survivals is None else plan.survivals.tolist()
         verify_lens = plan.verify_lens.tolist()
         accepted = num_accepted.tolist()
+        lookup_drafts = [0] * len(rids) if plan.lookup_lens is None else plan.lookup_lens.tolist()
         requests = [
             RequestStep(rid=str(rid), slot=int(slot), context_len=int(length), verify_len=verify_lens[b],
                         accepted=accepted[b], temperature=float(params.temperature[b]),
-                        confidence_logits=confidences[b], survivals=survivals[b])
+                        confidence_logits=confidences[b], survivals=survivals[b], lookup_drafts=lookup_drafts[b])
             for b, (rid, slot, length) in enumerate(zip(rids, slots.tolist(), seq_lens.tolist()))
         ]
         self.recorder.add(StepRecord(

@@ -1,0 +1,93 @@
+"""Lookup drafts (`engine.lookup`): proposals, their survivals, and how the planner treats them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_engine_units import _production_planner
+
+from sglang_dspark.engine.lookup import PRIOR_CONDITIONAL, LookupSurvival, SequenceLookup, SlotLookups
+
+
+def _brute_force(tokens: list[int], bonus: int, width: int) -> list[int]:
+    """The definition: the longest suffix (4, 3, then 2 tokens) of tokens + [bonus] that occurred
+    earlier, and what followed its latest earlier occurrence (up to the bonus itself)."""
+    context = tokens + [bonus]
+    for n in (4, 3, 2):
+        if len(context) <= n:
+            continue
+        suffix = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == suffix:
+                return context[start + n:start + n + width]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_incremental_index_proposes_what_a_search_of_the_whole_text_finds(seed):
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 5, 12])  # small vocabularies repeat often, runs ("a a a") included
+    lookup, tokens = SequenceLookup(), []
+    while len(tokens) < 300:
+        bonus, width = rng.randrange(vocab), rng.randint(1, 7)
+        assert lookup.propose(bonus, width) == _brute_force(tokens, bonus, width), (tokens[-8:], bonus, width)
+        committed = [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
+        lookup.extend(committed)
+        tokens += committed
+
+
+def test_a_repeated_phrase_proposes_its_continuation_and_new_text_proposes_nothing():
+    lookup = SequenceLookup([10, 11, 12, 13, 14, 15, 90, 91])
+    assert lookup.propose(11, 7) == []  # "91 11" never occurred
+    lookup.extend([11])  # ... 90 91 11, with "12" next: "91 11 12" never occurred, "11 12" did
+    assert lookup.propose(12, 3) == [13, 14, 15]
+
+
+def test_slots_propose_only_when_in_step_with_the_request_and_eligible():
+    lookups = SlotLookups()
+    lookups.reset(3, [1, 2, 3, 1, 2])
+    assert lookups.propose([3], [3], [5], [True], 3) == [[1, 2, 3]]  # "2 3" continued with "1 2", then the bonus
+    assert lookups.propose([3], [3], [5], [True], 4) == [[]], "a match that cannot fill the block proposes nothing"
+    assert lookups.propose([3], [3], [6], [True], 3) == [[]], "a slot whose length disagrees with the request's cannot propose"
+    assert lookups.propose([3], [3], [5], [False], 3) == [[]]
+    assert lookups.propose([7], [3], [5], [True], 3) == [[]], "an unknown slot proposes nothing"
+    lookups.commit(3, [3, 1])
+    assert lookups.synced(3, 7) and lookups.propose([3], [2], [7], [True], 2) == [[3, 1]]
+
+
+def test_lookup_survivals_start_at_the_prior_and_learn_from_served_rounds():
+    survival = LookupSurvival(gamma=7)
+    prior = torch.cumprod(torch.tensor(PRIOR_CONDITIONAL, dtype=torch.float64), 0).float()
+    assert torch.allclose(survival.survivals(), prior)
+    for _ in range(200):  # every round verified 7 and all were rejected at position 1
+        survival.add(torch.tensor([7, 7]), torch.tensor([0, 0]))
+    assert survival.survivals()[0] < 0.1
+    survival = LookupSurvival(gamma=7)
+    for _ in range(200):  # position 3 always rejected: positions 4-7 never tested, so they keep their prior
+        survival.add(torch.tensor([7]), torch.tensor([2]))
+    conditional = survival.survivals()[1:] / survival.survivals()[:-1]
+    assert survival.survivals()[1] > prior[1] and conditional[1] < 0.15  # 32 prior rounds against 200
+    assert torch.allclose(conditional[3:], torch.tensor(PRIOR_CONDITIONAL[4:]), atol=1e-6)
+
+
+def test_the_planner_verifies_lookup_rows_on_their_own_survivals_and_never_past_their_drafts(tmp_path, monkeypatch):
+    planner = _production_planner(tmp_path, monkeypatch)
+    rids, context = ["a", "b", "c"], torch.tensor([100, 100, 100])
+    hopeless = torch.full((3, 7), -8.0)  # the drafter's head expects nothing to survive
+    plan = planner.plan(rids, hopeless, context, lookup_lens=torch.tensor([7, 2, 0]))
+    lens = plan.verify_lens.tolist()
+    assert lens[0] > 0 and 0 < lens[1] <= 2 and lens[2] == 0, lens
+    assert plan.survivals[1, 2:].abs().sum() == 0, "no survival past a row's lookup drafts"
+
+
+def test_lookup_rounds_teach_the_lookup_survivals_and_stay_out_of_the_calibration(tmp_path, monkeypatch):
+    planner = _production_planner(tmp_path, monkeypatch)
+    rids, context = ["a", "b"], torch.tensor([100, 100])
+    plan = planner.plan(rids, torch.zeros((2, 7)), context, lookup_lens=torch.tensor([7, 0]))
+    before = planner.lookup_survival.survivals()
+    planner.observe_rounds(plan, torch.tensor([0, 3]), greedy=torch.tensor([True, True]))
+    assert planner.lookup_survival.survivals()[0] < before[0], "the lookup row's rejection at 1 was learnt"
+    logits, verify_lens, accepted, greedy = planner._pending_rounds[-1]
+    assert logits.shape[0] == 1 and accepted.tolist() == [3], "only the drafter's round waits for the calibration"
