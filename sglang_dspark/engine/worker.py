@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -276,21 +276,25 @@ class DSparkLiveWorker(BaseSpecWorker):
         times.decide, clock = _lap(clock)
         caught_up = 0
         if decision.draft:  # only the slots this step may verify are walked
-            caught_up = self._catch_up(slots, seq_lens)
-            times.catch_up, clock = _lap(clock)
-            self.planner.draft_costs.add_catch_up(caught_up, times.catch_up)
-            hidden = self.drafter.forward_block(self.context, slots, bonus, decision.draft_width)
-            times.block, clock = _lap(clock)
-            if self.kernel_walk is not None and bool(params.greedy.all()):
-                draft = self.kernel_walk.greedy(hidden, bonus)
-            elif self.kernel_walk is not None and _temperature_only(params):
-                draft = self.kernel_walk.sampled(hidden, bonus, params.temperature, self.generator)
-            else:
-                draft = sample_block(self.drafter, hidden, bonus.to(self.device), params.to(self.device),
-                                     self.generator)
-            times.walk, clock = _lap(clock)
-            self.planner.draft_costs.add(batch_size, decision.draft_width, times.block, times.walk)
-            draft, lookup_lens = self._with_lookup_drafts(draft, slots, bonus, seq_lens, params)
+            proposals, lookup_lens = self._lookup_proposals(slots, bonus, seq_lens, params, decision.draft_width)
+            lookup_seconds, clock = _lap(clock)
+            times.decide += lookup_seconds
+            # requests with lookup drafts skip the drafter (their context catches up when they next draft)
+            walked = torch.ones(batch_size, dtype=torch.bool) if lookup_lens is None else lookup_lens == 0
+            every_row = bool(walked.all())
+            block = None
+            if bool(walked.any()):
+                rows = walked.nonzero().squeeze(-1)
+                own = (slots, bonus, seq_lens, params) if every_row else (
+                    slots[rows], bonus[rows], seq_lens[rows], params.select(rows))
+                caught_up = self._catch_up(own[0], own[2])
+                times.catch_up, clock = _lap(clock)
+                self.planner.draft_costs.add_catch_up(caught_up, times.catch_up)
+                block = self._draft_block(own[0], own[1], own[3], decision.draft_width, times)
+                clock = time.perf_counter()
+                self.planner.draft_costs.add(len(rows), decision.draft_width, times.block, times.walk)
+            draft = block if every_row else self._with_lookup_drafts(block, walked, proposals, params,
+                                                                     decision.draft_width)
             plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision, greedy=params.greedy,
                                      lookup_lens=lookup_lens)
             times.plan, _ = _lap(clock)
@@ -340,22 +344,51 @@ class DSparkLiveWorker(BaseSpecWorker):
             speculative_num_draft_tokens=self.stride,
         )
 
-    def _with_lookup_drafts(self, draft: DraftBlock, slots: torch.Tensor, bonus: torch.Tensor,
-                            seq_lens: torch.Tensor, params: SamplingParams) -> tuple[DraftBlock, torch.Tensor | None]:
-        """Greedy requests whose text repeats verify their lookup drafts (`engine.lookup`) in place
-        of the drafter's block; returns the block and each request's lookup draft count (None: off)."""
+    def _draft_block(self, slots: torch.Tensor, bonus: torch.Tensor, params: SamplingParams, width: int,
+                     times: DraftTimes) -> DraftBlock:
+        """The drafter's block forward and Markov walk for these requests (timed into `times`)."""
+        clock = time.perf_counter()
+        hidden = self.drafter.forward_block(self.context, slots, bonus, width)
+        times.block, clock = _lap(clock)
+        if self.kernel_walk is not None and bool(params.greedy.all()):
+            draft = self.kernel_walk.greedy(hidden, bonus)
+        elif self.kernel_walk is not None and _temperature_only(params):
+            draft = self.kernel_walk.sampled(hidden, bonus, params.temperature, self.generator)
+        else:
+            draft = sample_block(self.drafter, hidden, bonus.to(self.device), params.to(self.device), self.generator)
+        times.walk, _ = _lap(clock)
+        return draft
+
+    def _lookup_proposals(self, slots: torch.Tensor, bonus: torch.Tensor, seq_lens: torch.Tensor,
+                          params: SamplingParams, width: int) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Each greedy request's lookup drafts (`engine.lookup`; `[]`: none) and their counts
+        [B] (None: lookups off, or no greedy request)."""
         if self.lookups is None or not bool(params.greedy.any()):
-            return draft, None
-        width = int(draft.tokens.shape[1])
+            return [], None
         proposals = self.lookups.propose(slots.tolist(), bonus.tolist(), seq_lens.tolist(), params.greedy.tolist(), width)
-        lookup_lens = torch.tensor([len(tokens) for tokens in proposals], dtype=torch.long)
-        if not bool((lookup_lens > 0).any()):
-            return draft, lookup_lens
-        tokens = draft.tokens.clone()
-        for b, proposal in enumerate(proposals):
-            if proposal:
-                tokens[b, : len(proposal)] = torch.tensor(proposal, dtype=tokens.dtype)
-        return replace(draft, tokens=tokens), lookup_lens
+        return proposals, torch.tensor([len(tokens) for tokens in proposals], dtype=torch.long)
+
+    def _with_lookup_drafts(self, block: DraftBlock | None, walked: torch.Tensor, proposals: list[list[int]],
+                            params: SamplingParams, width: int) -> DraftBlock:
+        """The step's block: the drafter's rows where `walked`, lookup drafts elsewhere (greedy rows,
+        so their draft distributions are never read: zeros; their confidences are replaced by the
+        lookup survivals: zeros)."""
+        batch = len(walked)
+        tokens = torch.tensor([tokens or [0] * width for tokens in proposals], dtype=torch.long)
+        has_head = self.drafter.has_confidence_head
+        confidences = torch.zeros((batch, width), dtype=torch.float32) if has_head else None
+        sampled = not bool(params.greedy.all())
+        probs = torch.zeros((batch, width, self.drafter.config.draft_vocab_size), dtype=torch.float32) if sampled else None
+        if block is not None:
+            tokens = tokens.to(block.tokens.device)
+            tokens[walked] = block.tokens
+            if confidences is not None:
+                confidences[walked] = block.confidence_logits.float().cpu()
+            if probs is not None:
+                probs = probs.to(block.probs.device)
+                probs[walked] = block.probs
+        return DraftBlock(tokens=tokens, probs=probs, confidence_logits=confidences,
+                          probs_vocab=self.drafter.d2t if sampled else None)
 
     def _attention_backends(self) -> list:
         runner = self.model_runner
@@ -495,7 +528,7 @@ def _pad_rows(packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 class DraftTimes:
     """Where a step's seconds before the verify forward went (zeros for parts it skipped)."""
 
-    decide: float = 0.0  # the planner's draft-or-skip decision and width
+    decide: float = 0.0  # the planner's draft-or-skip decision and width, and the lookup proposals
     catch_up: float = 0.0  # committed taps projected into the drafter context
     block: float = 0.0  # the drafter's parallel block forward
     walk: float = 0.0  # the Markov walk sampling the drafts, with their confidences
