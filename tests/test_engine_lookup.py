@@ -91,3 +91,29 @@ def test_lookup_rounds_teach_the_lookup_survivals_and_stay_out_of_the_calibratio
     assert planner.lookup_survival.survivals()[0] < before[0], "the lookup row's rejection at 1 was learnt"
     logits, verify_lens, accepted, greedy = planner._pending_rounds[-1]
     assert logits.shape[0] == 1 and accepted.tolist() == [3], "only the drafter's round waits for the calibration"
+
+
+def test_a_batch_mixing_lookup_rows_and_sampled_drafter_rows_verifies_each_by_its_own_rule():
+    """Request 0 (greedy) verifies its lookup drafts by argmax match; request 1 (T=1) verifies the
+    drafter's block by rejection sampling, its draft distribution kept through the merge."""
+    from tiny import TINY_VOCAB, make_tiny_drafter, make_tiny_target
+
+    from sglang_dspark.decoding import SamplingParams, sample_block, verify_packed
+    from sglang_dspark.engine.worker import DSparkLiveWorker
+
+    worker = DSparkLiveWorker.__new__(DSparkLiveWorker)  # only the drafter is needed to merge blocks
+    worker.drafter = make_tiny_drafter(make_tiny_target(), gamma=4, draft_vocab_size=40)
+    params = SamplingParams(temperature=torch.tensor([0.0, 1.0]), top_p=torch.ones(2),
+                            top_k=torch.zeros(2, dtype=torch.long))
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 4, worker.drafter.config.hidden_size)
+    block = sample_block(worker.drafter, hidden, torch.tensor([3]), params.select(torch.tensor([1])), generator)
+    lookup = [5, 6, 7, 8]
+    merged = worker._with_lookup_drafts(block, torch.tensor([False, True]), [lookup, []], params, width=4)
+    assert merged.tokens[0].tolist() == lookup and torch.equal(merged.tokens[1], block.tokens[0])
+    assert torch.equal(merged.probs[1], block.probs[0]) and merged.probs_vocab is worker.drafter.d2t
+    logits = torch.randn(10, TINY_VOCAB)
+    for row, token in enumerate([5, 6, 9]):  # the target agrees with the first two lookup drafts
+        logits[row, token] = 100.0
+    outcome = verify_packed(merged, logits, torch.tensor([4, 4]), params, generator)
+    assert outcome.num_accepted[0] == 2 and outcome.tokens[0, :3].tolist() == [5, 6, 9]
