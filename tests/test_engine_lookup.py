@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_engine_units import _production_planner
 
-from sglang_dspark.engine.lookup import PRIOR_CONDITIONAL, LookupSurvival, SequenceLookup, SlotLookups
+from sglang_dspark.engine.lookup import PRIOR_GREEDY, LookupSurvival, SequenceLookup, SlotLookups
 
 
 def _brute_force(tokens: list[int], bonus: int, width: int) -> list[int]:
@@ -59,7 +59,7 @@ def test_slots_propose_only_when_in_step_with_the_request_and_eligible():
 
 def test_lookup_survivals_start_at_the_prior_and_learn_from_served_rounds():
     survival = LookupSurvival(gamma=7)
-    prior = torch.cumprod(torch.tensor(PRIOR_CONDITIONAL, dtype=torch.float64), 0).float()
+    prior = torch.cumprod(torch.tensor(PRIOR_GREEDY, dtype=torch.float64), 0).float()
     assert torch.allclose(survival.survivals(), prior)
     for _ in range(200):  # every round verified 7 and all were rejected at position 1
         survival.add(torch.tensor([7, 7]), torch.tensor([0, 0]))
@@ -69,7 +69,7 @@ def test_lookup_survivals_start_at_the_prior_and_learn_from_served_rounds():
         survival.add(torch.tensor([7]), torch.tensor([2]))
     conditional = survival.survivals()[1:] / survival.survivals()[:-1]
     assert survival.survivals()[1] > prior[1] and conditional[1] < 0.15  # 32 prior rounds against 200
-    assert torch.allclose(conditional[3:], torch.tensor(PRIOR_CONDITIONAL[4:]), atol=1e-6)
+    assert torch.allclose(conditional[3:], torch.tensor(PRIOR_GREEDY[4:]), atol=1e-6)
 
 
 def test_the_planner_verifies_lookup_rows_on_their_own_survivals_and_never_past_their_drafts(tmp_path, monkeypatch):
@@ -86,9 +86,11 @@ def test_lookup_rounds_teach_the_lookup_survivals_and_stay_out_of_the_calibratio
     planner = _production_planner(tmp_path, monkeypatch)
     rids, context = ["a", "b"], torch.tensor([100, 100])
     plan = planner.plan(rids, torch.zeros((2, 7)), context, lookup_lens=torch.tensor([7, 0]))
-    before = planner.lookup_survival.survivals()
+    before = planner.lookup_survival["greedy"].survivals()
+    sampled_before = planner.lookup_survival["sampled"].survivals()
     planner.observe_rounds(plan, torch.tensor([0, 3]), greedy=torch.tensor([True, True]))
-    assert planner.lookup_survival.survivals()[0] < before[0], "the lookup row's rejection at 1 was learnt"
+    assert planner.lookup_survival["greedy"].survivals()[0] < before[0], "the lookup row's rejection at 1 was learnt"
+    assert torch.equal(planner.lookup_survival["sampled"].survivals(), sampled_before), "a greedy round taught sampling"
     logits, verify_lens, accepted, greedy = planner._pending_rounds[-1]
     assert logits.shape[0] == 1 and accepted.tolist() == [3], "only the drafter's round waits for the calibration"
 
@@ -117,3 +119,72 @@ def test_a_batch_mixing_lookup_rows_and_sampled_drafter_rows_verifies_each_by_it
         logits[row, token] = 100.0
     outcome = verify_packed(merged, logits, torch.tensor([4, 4]), params, generator)
     assert outcome.num_accepted[0] == 2 and outcome.tokens[0, :3].tolist() == [5, 6, 9]
+
+
+def test_sampled_lookup_rounds_teach_the_sampled_survivals_which_then_value_sampled_rows(tmp_path, monkeypatch):
+    planner = _production_planner(tmp_path, monkeypatch)
+    rids, context, greedy = ["a", "b"], torch.tensor([100, 100]), torch.tensor([True, False])
+    for _ in range(200):  # sampled lookup drafts are rejected at once; greedy ones are not served
+        plan = planner.plan(rids, torch.zeros((2, 7)), context, greedy=greedy, lookup_lens=torch.tensor([0, 7]))
+        planner.observe_rounds(plan, torch.tensor([0, 0]), greedy=greedy)
+    assert planner.lookup_survival["sampled"].survivals()[0] < 0.2
+    assert planner.lookup_survival["greedy"].survivals()[0] == pytest.approx(PRIOR_GREEDY[0])
+    plan = planner.plan(["a", "b"], torch.zeros((2, 7)), context, greedy=torch.tensor([True, False]),
+                        lookup_lens=torch.tensor([7, 7]))
+    assert plan.survivals[0, 0] > plan.survivals[1, 0], "each lookup row takes its own class's survivals"
+
+
+def _lookup_worker(mode: str, draft_vocab_size: int):
+    from tiny import make_tiny_drafter, make_tiny_target
+
+    from sglang_dspark.engine.worker import DSparkLiveWorker
+
+    worker = DSparkLiveWorker.__new__(DSparkLiveWorker)  # only the drafter, settings and lookups are read
+    worker.drafter = make_tiny_drafter(make_tiny_target(), gamma=4, draft_vocab_size=draft_vocab_size)
+    worker.settings = type("Settings", (), {"lookup": mode})()
+    worker.lookups = SlotLookups()
+    return worker
+
+
+@pytest.mark.parametrize("mode", ["on", "greedy"])
+def test_sampled_requests_draft_from_their_text_only_inside_the_draft_vocabulary_and_only_when_on(mode):
+    from sglang_dspark.decoding import SamplingParams
+
+    worker = _lookup_worker(mode, draft_vocab_size=40)
+    inside, outside = worker.drafter.d2t[:4].tolist(), int(torch.isin(torch.arange(50), worker.drafter.d2t).logical_not().nonzero()[0])
+    texts = [inside * 3, inside * 3, inside[:2] + [outside] + inside[2:] + inside[:2] + [outside] + inside[2:]]
+    for slot, text in enumerate(texts):
+        worker.lookups.reset(slot, text[:-1])
+    params = SamplingParams(temperature=torch.tensor([0.0, 1.0, 1.0]), top_p=torch.ones(3),
+                            top_k=torch.zeros(3, dtype=torch.long))
+    bonus = torch.tensor([text[-1] for text in texts])
+    committed = torch.tensor([len(text) - 1 for text in texts])
+    proposals, lookup_lens = worker._lookup_proposals(torch.arange(3), bonus, committed, params, width=4)
+    assert lookup_lens[0] == 4, "a greedy request drafts from its text in both modes"
+    assert lookup_lens[1] == (4 if mode == "on" else 0)
+    assert lookup_lens[2] == 0, "a point mass outside the draft vocabulary cannot be a draft distribution"
+
+
+def test_a_sampled_lookup_draft_leaves_the_output_distribution_exactly_the_targets():
+    """Rejection sampling with a point-mass proposal: accept the draft with the target's
+    probability of it, else sample the target's distribution without it; the committed token is
+    distributed as the target's, whether the draft is likely or not."""
+    from sglang_dspark.decoding import SamplingParams, verify_packed
+
+    worker = _lookup_worker("on", draft_vocab_size=40)
+    rows, width = 20000, 1
+    vocab = int(worker.drafter.d2t.max()) + 1
+    logits_row = torch.full((vocab,), -30.0)
+    likely, unlikely, other = worker.drafter.d2t[[3, 5, 9]].tolist()
+    logits_row[[likely, unlikely, other]] = torch.log(torch.tensor([0.6, 0.1, 0.3]))
+    for draft_token, expected in ((likely, 0.6), (unlikely, 0.1)):
+        params = SamplingParams(temperature=torch.ones(rows), top_p=torch.ones(rows),
+                                top_k=torch.zeros(rows, dtype=torch.long))
+        merged = worker._with_lookup_drafts(None, torch.zeros(rows, dtype=torch.bool), [[draft_token]] * rows,
+                                            params, width=width)
+        logits = logits_row.repeat(rows * (width + 1), 1)
+        outcome = verify_packed(merged, logits, torch.full((rows,), width), params, torch.Generator().manual_seed(1))
+        first = outcome.tokens[:, 0]
+        assert outcome.num_accepted.float().mean().item() == pytest.approx(expected, abs=0.015)
+        for token, p in ((likely, 0.6), (unlikely, 0.1), (other, 0.3)):
+            assert (first == token).float().mean().item() == pytest.approx(p, abs=0.015), (draft_token, token)

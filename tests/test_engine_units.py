@@ -93,10 +93,11 @@ def _draft_folder(tmp_path, block_size=4, confidence_head=True):
 
 
 def test_settings_default_to_checkpoint_block_size_and_verify_all(tmp_path, monkeypatch):
-    for name in ("DSPARK_GAMMA", "DSPARK_PLANNER", "DSPARK_SPS_PATH", "DSPARK_STS_PATH"):
+    for name in ("DSPARK_GAMMA", "DSPARK_PLANNER", "DSPARK_SPS_PATH", "DSPARK_STS_PATH", "DSPARK_LOOKUP"):
         monkeypatch.delenv(name, raising=False)
     settings = load_settings(_draft_folder(tmp_path))
     assert (settings.gamma, settings.verify_window, settings.planner) == (4, 5, "all")
+    assert settings.lookup == "on", "every request may draft from its own text unless told otherwise"
 
 
 def test_the_cost_model_for_the_served_dtype_wins_over_the_generic_one(tmp_path, monkeypatch):
@@ -148,6 +149,7 @@ def test_a_cpu_server_picks_the_cost_model_measured_on_its_instruction_set(tmp_p
     ("DSPARK_DRAFT_DTYPE", "int8", "expected one of auto, float32, bfloat16, float16"),
     ("DSPARK_RECALIBRATE_EVERY", "10", "0 \\(never\\) or at least 64 rounds"),
     ("DSPARK_RECALIBRATE_EVERY", "-1", "expected an integer >= 0"),
+    ("DSPARK_LOOKUP", "sampled", "expected one of on, greedy, off"),
 ])
 def test_bad_knobs_fail_with_what_was_expected(tmp_path, monkeypatch, name, value, message):
     monkeypatch.setenv(name, value)

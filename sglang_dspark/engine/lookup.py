@@ -24,8 +24,10 @@ MIN_MATCH = 2
 MAX_MATCH = 4
 PRIOR_ROUNDS = 32.0
 """Pseudo-rounds behind the prior conditional acceptance, so a few served rounds cannot swing it."""
-PRIOR_CONDITIONAL = (0.75, 0.81, 0.82, 0.87, 0.89, 0.90, 0.86)
+PRIOR_GREEDY = (0.75, 0.81, 0.82, 0.87, 0.89, 0.90, 0.86)
 """Conditional acceptance at positions 1-7 of lookup drafts on SmolLM2-135M's greedy eval answers."""
+PRIOR_SAMPLED = PRIOR_GREEDY
+"""The same for sampled requests (their drafts accepted with the target's probability of each)."""
 
 
 class SequenceLookup:
@@ -99,12 +101,12 @@ class SlotLookups:
 
 class LookupSurvival:
     """Prefix survivals of lookup drafts per position, learnt from the served lookup rounds on
-    top of `PRIOR_CONDITIONAL`: conditional acceptance at position k is the share of rounds that
-    verified position k having accepted k - 1 drafts which accepted it."""
+    top of a prior (`PRIOR_GREEDY`, `PRIOR_SAMPLED`): conditional acceptance at position k is the
+    share of rounds that verified position k having accepted k - 1 drafts which accepted it."""
 
-    def __init__(self, gamma: int) -> None:
-        prior = torch.tensor(PRIOR_CONDITIONAL[:gamma] + (PRIOR_CONDITIONAL[-1],) * max(0, gamma - len(PRIOR_CONDITIONAL)),
-                             dtype=torch.float64)
+    def __init__(self, gamma: int, prior_conditional: tuple[float, ...] = PRIOR_GREEDY) -> None:
+        padding = (prior_conditional[-1],) * max(0, gamma - len(prior_conditional))
+        prior = torch.tensor(prior_conditional[:gamma] + padding, dtype=torch.float64)
         self._tested = torch.full((gamma,), PRIOR_ROUNDS, dtype=torch.float64)
         self._accepted = prior * PRIOR_ROUNDS
 

@@ -40,7 +40,7 @@ import torch
 
 from sglang_dspark.calibration.served_offsets import ServedOffsets
 from sglang_dspark.engine.live_calibration import KINDS, LiveRecalibrator
-from sglang_dspark.engine.lookup import LookupSurvival
+from sglang_dspark.engine.lookup import PRIOR_GREEDY, PRIOR_SAMPLED, LookupSurvival
 from sglang_dspark.engine.settings import LiveSettings
 
 if TYPE_CHECKING:
@@ -201,7 +201,8 @@ class VerifyPlanner:
         self.recalibrator = None
         self.served_offsets: dict[str, ServedOffsets] | None = None  # per temperature class
         self._pending_rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.lookup_survival = LookupSurvival(self.gamma)
+        self.lookup_survival = {"greedy": LookupSurvival(self.gamma, PRIOR_GREEDY),  # per temperature class
+                                "sampled": LookupSurvival(self.gamma, PRIOR_SAMPLED)}
         if settings.planner == "production":
             from sglang_dspark.scheduling.cost_model import load_cost_model
             from sglang_dspark.scheduling.planner import EarlyStopPlanner
@@ -281,7 +282,7 @@ class VerifyPlanner:
         such a drafter at launch. `decision` is this step's `decide` (made here when not given);
         `greedy` [B] marks the greedy requests (their own calibration); `lookup_lens` [B] counts the
         lookup drafts (`engine.lookup`) that replaced a request's block (0: none): those rows take
-        the lookup survivals, and never verify past their lookup drafts."""
+        their temperature class's lookup survivals, and never verify past their lookup drafts."""
         batch = len(request_ids)
         decision = decision or self.decide(request_ids, context_lens)
         if confidence_logits is None:
@@ -297,7 +298,7 @@ class VerifyPlanner:
         padded = torch.nn.functional.pad(confidence_logits, (0, self.gamma - width))
         survivals = self.survivals(padded, greedy)
         if lookup_lens is not None:
-            survivals = self._with_lookup_survivals(survivals, lookup_lens)
+            survivals = self._with_lookup_survivals(survivals, lookup_lens, greedy)
         if self.settings.planner != "production":
             verify_lens = _within_lookup(torch.full((batch,), min(self._next_static_drafts(), width), dtype=torch.long),
                                          lookup_lens)
@@ -314,15 +315,19 @@ class VerifyPlanner:
                     confidence_logits=confidence_logits[:, :width], survivals=survivals[:, :width],
                     step_shape=shape, lookup_lens=lookup_lens)
 
-    def _with_lookup_survivals(self, survivals: torch.Tensor, lookup_lens: torch.Tensor) -> torch.Tensor:
-        """Rows with lookup drafts take the served lookup survivals, zero past their drafts."""
-        rows = lookup_lens > 0
-        if not bool(rows.any()):
+    def _with_lookup_survivals(self, survivals: torch.Tensor, lookup_lens: torch.Tensor,
+                               greedy: torch.Tensor | None) -> torch.Tensor:
+        """Rows with lookup drafts take their class's served lookup survivals, zero past their drafts."""
+        if not bool((lookup_lens > 0).any()):
             return survivals
         survivals = survivals.clone()
+        greedy = torch.zeros(len(lookup_lens), dtype=torch.bool) if greedy is None else greedy.bool().cpu()
         positions = torch.arange(1, self.gamma + 1)
-        lookup = self.lookup_survival.survivals()[None, :] * (positions[None, :] <= lookup_lens[rows, None])
-        survivals[rows] = lookup.to(survivals.dtype)
+        for kind, in_class in (("greedy", greedy), ("sampled", ~greedy)):
+            rows = (lookup_lens > 0) & in_class
+            if bool(rows.any()):
+                lookup = self.lookup_survival[kind].survivals()[None, :] * (positions[None, :] <= lookup_lens[rows, None])
+                survivals[rows] = lookup.to(survivals.dtype)
         return survivals
 
     def skipped(self, request_ids: list, context_lens: torch.Tensor) -> Plan:
@@ -363,7 +368,9 @@ class VerifyPlanner:
         logits = plan.confidence_logits
         if plan.lookup_lens is not None:  # lookup rounds teach the lookup survivals, not the calibration
             lookup = plan.lookup_lens > 0
-            self.lookup_survival.add(verify_lens[lookup], num_accepted[lookup])
+            for kind, rows in (("greedy", lookup & greedy), ("sampled", lookup & ~greedy)):
+                if bool(rows.any()):
+                    self.lookup_survival[kind].add(verify_lens[rows], num_accepted[rows])
             logits, verify_lens, num_accepted, greedy = logits[~lookup], verify_lens[~lookup], num_accepted[~lookup], greedy[~lookup]
         if self.served_offsets is None and self.recalibrator is None:
             return

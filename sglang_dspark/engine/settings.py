@@ -17,7 +17,7 @@ process, with a clear error for a bad value:
 | `DSPARK_DRAFT_DTYPE` | `auto` | the drafter's dtype: `auto` (the target's, except float32 on a CPU without native bf16 math where the plugin's weight panels cannot serve bf16, and there bf16 drafting ran ~2x slower), `float32`, `bfloat16`, `float16` |
 | `DSPARK_PREFIX_CACHE` | `on` | keep SGLang's radix (prefix) cache: the worker stores every committed token's taps beside its KV slot (the tap store, one row per KV slot), so a prefix served from the cache seeds the drafter's context without a target forward; `off` disables the radix cache |
 | `DSPARK_SERVED_OFFSETS` | `on` | with the production planner, correct each temperature class's calibration per draft position by an offset learnt from the server's own verify rounds (`calibration.served_offsets`: on served greedy traffic the offline calibration under-predicted acceptance from position 2 on, so the early stop refused drafts that paid); `off`: the calibration files (and live refits) alone |
-| `DSPARK_LOOKUP` | `on` | lookup drafts for greedy requests: where the request's last 2-4 tokens occurred before in its prompt or output, the tokens that followed their latest occurrence are verified instead of the drafter's block (`engine.lookup`; lossless like any draft; their survivals are learnt from served lookup rounds); `off`: the drafter's blocks only |
+| `DSPARK_LOOKUP` | `on` | lookup drafts: where a request's last 2-4 tokens occurred before in its prompt or output, the tokens that followed their latest occurrence are verified instead of the drafter's block (`engine.lookup`; lossless like any draft: a sampled request's lookup is a point-mass proposal under rejection sampling; their survivals are learnt from served lookup rounds, per temperature class); `greedy`: greedy requests only; `off`: the drafter's blocks only |
 | `DSPARK_VERIFY_ATTENTION` | `linear` | CPU verify attention: `linear` (the window's queries over the request's KV only: the paged kernel, or SDPA with `DSPARK_CPU_ATTENTION=sdpa`) or `native` (SGLang torch_native extend, re-attends the prefix) |
 """
 
@@ -34,6 +34,7 @@ from sglang_dspark.runtime import cpu_profile_tag
 PLANNER_MODES = ("all", "production", "fixed", "sweep")
 VERIFY_ATTENTION_MODES = ("linear", "native")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOOKUP_MODES = ("on", "greedy", "off")
 DEFAULT_RECALIBRATE_EVERY = 1024
 
 
@@ -59,7 +60,7 @@ class LiveSettings:
     sts_greedy_path: Path | None = None
     recalibrate_every: int = 0
     served_offsets: bool = False
-    lookup: bool = False
+    lookup: str = "off"  # LOOKUP_MODES: which requests may draft from their own text
 
     @property
     def verify_window(self) -> int:
@@ -166,8 +167,8 @@ def load_settings(draft_path: str | Path, dtype: str | None = None, device: str 
     if served_offsets not in ("on", "off"):
         raise SettingsError(f"DSPARK_SERVED_OFFSETS={served_offsets!r}: expected on or off")
     lookup = os.environ.get("DSPARK_LOOKUP", "on").strip().lower()
-    if lookup not in ("on", "off"):
-        raise SettingsError(f"DSPARK_LOOKUP={lookup!r}: expected on or off")
+    if lookup not in LOOKUP_MODES:
+        raise SettingsError(f"DSPARK_LOOKUP={lookup!r}: expected one of {', '.join(LOOKUP_MODES)}")
     draft_dtype = os.environ.get("DSPARK_DRAFT_DTYPE", "auto").strip().lower()
     if draft_dtype not in DRAFT_DTYPES:
         raise SettingsError(f"DSPARK_DRAFT_DTYPE={draft_dtype!r}: expected one of {', '.join(DRAFT_DTYPES)}")
@@ -188,5 +189,5 @@ def load_settings(draft_path: str | Path, dtype: str | None = None, device: str 
         step_log=Path(os.environ["DSPARK_STEP_LOG"]) if os.environ.get("DSPARK_STEP_LOG") else None,
         recalibrate_every=_recalibrate_every(),
         served_offsets=served_offsets == "on",
-        lookup=lookup == "on",
+        lookup=lookup,
     )

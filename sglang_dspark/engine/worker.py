@@ -107,7 +107,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         self.context: DraftContextCache | None = None
         self.tap_store: torch.Tensor | None = None
         self._slot_owner: dict[int, str] = {}
-        self.lookups = SlotLookups() if self.settings.lookup else None
+        self.lookups = SlotLookups() if self.settings.lookup != "off" else None
         self.vocab_size = self.model_runner.model_config.vocab_size
         self.row_argmax = _row_argmax_for(self.device)
         self.kernel_walk = _kernel_walk_for(self.drafter)
@@ -119,7 +119,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             "overlap %s, verify attention %s, lookup drafts %s",
             self.settings.draft_path, self.drafter.dtype, self.gamma, list(self.drafter.target_layer_ids),
             self.settings.planner, self.settings.sps_path, "on" if self.planner.served_offsets else "off",
-            self.enable_overlap, self.settings.verify_attention, "on" if self.lookups else "off",
+            self.enable_overlap, self.settings.verify_attention, self.settings.lookup,
         )
 
     # ------------------------------------------------------------------ set-up
@@ -361,24 +361,46 @@ class DSparkLiveWorker(BaseSpecWorker):
 
     def _lookup_proposals(self, slots: torch.Tensor, bonus: torch.Tensor, seq_lens: torch.Tensor,
                           params: SamplingParams, width: int) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Each greedy request's lookup drafts (`engine.lookup`; `[]`: none) and their counts
-        [B] (None: lookups off, or no greedy request)."""
-        if self.lookups is None or not bool(params.greedy.any()):
+        """Each eligible request's lookup drafts (`engine.lookup`; `[]`: none) and their counts
+        [B] (None: lookups off, or no eligible request). A sampled request's lookup is a point
+        mass on each draft, which the draft distribution can hold only inside the draft
+        vocabulary: one that leaves it is not proposed."""
+        sampled_too = self.settings.lookup == "on"
+        if self.lookups is None or not (sampled_too or bool(params.greedy.any())):
             return [], None
-        proposals = self.lookups.propose(slots.tolist(), bonus.tolist(), seq_lens.tolist(), params.greedy.tolist(), width)
+        greedy = params.greedy.tolist()
+        eligible = [True] * len(greedy) if sampled_too else greedy
+        proposals = self.lookups.propose(slots.tolist(), bonus.tolist(), seq_lens.tolist(), eligible, width)
+        proposals = [tokens if is_greedy or not tokens or bool((self._draft_columns(tokens) >= 0).all()) else []
+                     for tokens, is_greedy in zip(proposals, greedy)]
         return proposals, torch.tensor([len(tokens) for tokens in proposals], dtype=torch.long)
+
+    def _draft_columns(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
+        """Target token ids -> their columns in the draft distribution (-1: outside the draft vocabulary)."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        d2t = self.drafter.d2t
+        if d2t is None:
+            return tokens
+        d2t = d2t.cpu()
+        columns = torch.searchsorted(d2t, tokens).clamp(max=d2t.numel() - 1)
+        return torch.where(d2t[columns] == tokens, columns, -1)
 
     def _with_lookup_drafts(self, block: DraftBlock | None, walked: torch.Tensor, proposals: list[list[int]],
                             params: SamplingParams, width: int) -> DraftBlock:
-        """The step's block: the drafter's rows where `walked`, lookup drafts elsewhere (greedy rows,
-        so their draft distributions are never read: zeros; their confidences are replaced by the
-        lookup survivals: zeros)."""
+        """The step's block: the drafter's rows where `walked`, lookup drafts elsewhere: a point mass
+        on each draft for sampled rows (rejection sampling then accepts a draft with the target's
+        probability of it, and on rejection samples the target's distribution without it), never
+        read for greedy rows (zeros); lookup rows' confidences are replaced by the lookup survivals
+        (zeros here)."""
         batch = len(walked)
         tokens = torch.tensor([tokens or [0] * width for tokens in proposals], dtype=torch.long)
         has_head = self.drafter.has_confidence_head
         confidences = torch.zeros((batch, width), dtype=torch.float32) if has_head else None
         sampled = not bool(params.greedy.all())
         probs = torch.zeros((batch, width, self.drafter.config.draft_vocab_size), dtype=torch.float32) if sampled else None
+        if sampled:
+            for row in (~walked & ~params.greedy.cpu()).nonzero().squeeze(-1).tolist():
+                probs[row, torch.arange(width), self._draft_columns(proposals[row])] = 1.0
         if block is not None:
             tokens = tokens.to(block.tokens.device)
             tokens[walked] = block.tokens
