@@ -197,6 +197,7 @@ def step_summary(step_log: Path, skip: int = 0) -> dict:
         "drafted_share": len(drafted) / len(steps),
         "vetoed_share": sum(bool(s.get("vetoed")) for s in steps) / len(steps),
         "lookup_round_share": _lookup_round_share(drafted),
+        "lookup_conditional_acceptance": _lookup_conditional_acceptance(drafted),
         "draft_seconds_median": statistics.median(s["draft_seconds"] for s in drafted) if drafted else None,
         "draft_parts_median": {part: statistics.median(s.get(f"{part}_seconds", 0.0) for s in drafted)
                                for part in DRAFT_PARTS} if drafted else None,
@@ -210,6 +211,21 @@ def _lookup_round_share(drafted_steps: list[dict]) -> float | None:
     """Of the drafted steps' request rounds, the share that verified lookup drafts (`engine.lookup`)."""
     rounds = [request for step in drafted_steps for request in step.get("requests", ())]
     return sum(request.get("lookup_drafts", 0) > 0 for request in rounds) / len(rounds) if rounds else None
+
+
+def _lookup_conditional_acceptance(drafted_steps: list[dict]) -> dict[str, list[float | None]]:
+    """Per temperature class, lookup rounds' acceptance at each draft position given the drafts
+    before it were accepted (what `engine.lookup.LookupSurvival` learns; None: never verified)."""
+    rounds = [request for step in drafted_steps for request in step.get("requests", ())
+              if request.get("lookup_drafts", 0) > 0]
+    result = {}
+    for kind in ("greedy", "sampled"):
+        ours = [r for r in rounds if (r["temperature"] == 0) == (kind == "greedy")]
+        width = max((r["verify_len"] for r in ours), default=0)
+        tested = [sum(r["verify_len"] >= k and r["accepted"] >= k - 1 for r in ours) for k in range(1, width + 1)]
+        accepted = [sum(r["accepted"] >= k for r in ours) for k in range(1, width + 1)]
+        result[kind] = [round(a / n, 3) if n else None for a, n in zip(accepted, tested)]
+    return result
 
 
 def verify_cost(launch: ServerLaunch, model_path: str, contexts: list[int], log_dir: Path) -> dict:

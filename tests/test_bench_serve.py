@@ -44,6 +44,24 @@ def test_step_summary_of_an_empty_cell(tmp_path):
     assert step_summary(log, skip=1) == {"decode_steps": 0}
 
 
+def test_step_summary_reports_lookup_rounds_acceptance_per_position_and_temperature_class(tmp_path):
+    def request(temperature: float, verify_len: int, accepted: int, lookup: int) -> dict:
+        return {"temperature": temperature, "verify_len": verify_len, "accepted": accepted, "lookup_drafts": lookup}
+
+    step = _step(True, 0.01, 0.05, 0.06, None) | {"requests": [
+        request(0.0, 3, 3, 7), request(0.0, 3, 1, 7), request(0.0, 2, 0, 7),  # greedy lookup rounds
+        request(1.0, 2, 2, 7),                                                 # a sampled one
+        request(0.0, 3, 0, 0),                                                 # the drafter's round
+    ]}
+    log = tmp_path / "steps.jsonl"
+    log.write_text(json.dumps(step) + "\n")
+    summary = step_summary(log)
+    assert summary["lookup_round_share"] == pytest.approx(4 / 5)
+    # greedy: position 1 verified by all 3 rounds, accepted by 2; position 2 reached by those 2,
+    # accepted by 1; position 3 reached by that one, accepted
+    assert summary["lookup_conditional_acceptance"] == {"greedy": [0.667, 0.5, 1.0], "sampled": [1.0, 1.0]}
+
+
 def test_sps_serve_fits_a_loadable_cost_model_from_a_step_log(tmp_path):
     from typer.testing import CliRunner
 

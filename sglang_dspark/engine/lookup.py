@@ -1,8 +1,10 @@
 """Lookup drafts: where a request's text repeats itself, its own earlier continuation is the draft.
 
-A greedy request whose last 2-4 tokens (the bonus token included) occurred before in its prompt
-or output proposes the tokens that followed their latest occurrence, in place of the drafter's
-block, and the verify forward checks them like any draft: output stays exactly the target's.
+A request whose last 2-4 tokens (the bonus token included) occurred before in its prompt or
+output proposes the tokens that followed their latest occurrence, in place of the drafter's block,
+and the verify forward checks them like any draft: output stays exactly the target's (for a
+sampled request the proposal is a point mass, so rejection sampling accepts each draft with the
+target's probability of it).
 SmolLM2-135M's greedy answers repeat (lists, code, loops before `max_new_tokens`): on 180 eval
 prompts' greedy answers (session 27) half of all verify rounds had such a match, where the
 proposal survived to position 1 in 75 % of rounds and to position 7 in 30 % (the drafter, on all
