@@ -6,10 +6,10 @@ and the verify forward checks them like any draft: output stays exactly the targ
 sampled request the proposal is a point mass, so rejection sampling accepts each draft with the
 target's probability of it).
 SmolLM2-135M's greedy answers repeat (lists, code, loops before `max_new_tokens`): on 180 eval
-prompts' greedy answers (session 27) half of all verify rounds had such a match, where the
-proposal survived to position 1 in 75 % of rounds and to position 7 in 30 % (the drafter, on all
-rounds: 55 % / 1.6 %), and using the lookup wherever it matched and filled the block would have
-committed 2.53 tokens a round against the drafter's 2.01.
+prompts' greedy answers (`scripts/lookup_replay.py`) 45 % of the positions had such a match, where
+the proposal survived to position 1 in 75 % of rounds and to position 7 in 30-37 % (the drafter,
+on all rounds: 55 % / 1-4 %), and using the lookup wherever it matched and filled the block
+committed 2.54 tokens a round against the drafter's 2.01.
 
 Each slot keeps its committed tokens and a dict from every 2-, 3- and 4-gram to where its latest
 occurrence continues, updated as tokens commit: a proposal is three dict look-ups, whatever the
