@@ -28,8 +28,9 @@ PRIOR_ROUNDS = 32.0
 """Pseudo-rounds behind the prior conditional acceptance, so a few served rounds cannot swing it."""
 PRIOR_GREEDY = (0.75, 0.81, 0.82, 0.87, 0.89, 0.90, 0.86)
 """Conditional acceptance at positions 1-7 of lookup drafts on SmolLM2-135M's greedy eval answers."""
-PRIOR_SAMPLED = PRIOR_GREEDY
-"""The same for sampled requests (their drafts accepted with the target's probability of each)."""
+PRIOR_SAMPLED = (0.49, 0.63, 0.79, 0.76, 0.88, 0.91, 0.88)
+"""The same for sampled requests at temperature 1 (each draft accepted with the target's probability
+of it), served lookup rounds on eval prompts (session 28, `bench serve --temperature 1.0`)."""
 
 
 class SequenceLookup:
