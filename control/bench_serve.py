@@ -196,8 +196,8 @@ def step_summary(step_log: Path, skip: int = 0) -> dict:
         "decode_steps": len(steps),
         "drafted_share": len(drafted) / len(steps),
         "vetoed_share": sum(bool(s.get("vetoed")) for s in steps) / len(steps),
-        "lookup_round_share": _lookup_round_share(drafted),
-        "lookup_conditional_acceptance": _lookup_conditional_acceptance(drafted),
+        "lookup_round_share": _lookup_round_share(_verifying(steps)),
+        "lookup_conditional_acceptance": _lookup_conditional_acceptance(steps),
         "draft_seconds_median": statistics.median(s["draft_seconds"] for s in drafted) if drafted else None,
         "draft_parts_median": {part: statistics.median(s.get(f"{part}_seconds", 0.0) for s in drafted)
                                for part in DRAFT_PARTS} if drafted else None,
@@ -207,16 +207,21 @@ def step_summary(step_log: Path, skip: int = 0) -> dict:
     }
 
 
-def _lookup_round_share(drafted_steps: list[dict]) -> float | None:
-    """Of the drafted steps' request rounds, the share that verified lookup drafts (`engine.lookup`)."""
-    rounds = [request for step in drafted_steps for request in step.get("requests", ())]
+def _verifying(steps: list[dict]) -> list[dict]:
+    """Steps that verified drafts: the drafter's, or only lookup drafts on a step that skipped it."""
+    return [s for s in steps if s["drafted"] or any(r.get("lookup_drafts", 0) > 0 for r in s.get("requests", ()))]
+
+
+def _lookup_round_share(verifying_steps: list[dict]) -> float | None:
+    """Of the verifying steps' request rounds, the share that verified lookup drafts (`engine.lookup`)."""
+    rounds = [request for step in verifying_steps for request in step.get("requests", ())]
     return sum(request.get("lookup_drafts", 0) > 0 for request in rounds) / len(rounds) if rounds else None
 
 
-def _lookup_conditional_acceptance(drafted_steps: list[dict]) -> dict[str, list[float | None]]:
+def _lookup_conditional_acceptance(steps: list[dict]) -> dict[str, list[float | None]]:
     """Per temperature class, lookup rounds' acceptance at each draft position given the drafts
     before it were accepted (what `engine.lookup.LookupSurvival` learns; None: never verified)."""
-    rounds = [request for step in drafted_steps for request in step.get("requests", ())
+    rounds = [request for step in steps for request in step.get("requests", ())
               if request.get("lookup_drafts", 0) > 0]
     result = {}
     for kind in ("greedy", "sampled"):

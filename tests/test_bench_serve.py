@@ -53,13 +53,16 @@ def test_step_summary_reports_lookup_rounds_acceptance_per_position_and_temperat
         request(1.0, 2, 2, 7),                                                 # a sampled one
         request(0.0, 3, 0, 0),                                                 # the drafter's round
     ]}
+    lookup_only = _step(False, 0.001, 0.05, 0.05, None) | {"requests": [  # the drafter skipped
+        request(1.0, 1, 0, 7), request(1.0, 0, 0, 0)]}
+    plain = _step(False, 0.001, 0.04, 0.04, None) | {"requests": [request(0.0, 0, 0, 0)]}
     log = tmp_path / "steps.jsonl"
-    log.write_text(json.dumps(step) + "\n")
+    log.write_text("".join(json.dumps(s) + "\n" for s in (step, lookup_only, plain)))
     summary = step_summary(log)
-    assert summary["lookup_round_share"] == pytest.approx(4 / 5)
+    assert summary["lookup_round_share"] == pytest.approx(5 / 7), "rounds of steps that verified drafts"
     # greedy: position 1 verified by all 3 rounds, accepted by 2; position 2 reached by those 2,
     # accepted by 1; position 3 reached by that one, accepted
-    assert summary["lookup_conditional_acceptance"] == {"greedy": [0.667, 0.5, 1.0], "sampled": [1.0, 1.0]}
+    assert summary["lookup_conditional_acceptance"] == {"greedy": [0.667, 0.5, 1.0], "sampled": [0.5, 1.0]}
 
 
 def test_sps_serve_fits_a_loadable_cost_model_from_a_step_log(tmp_path):

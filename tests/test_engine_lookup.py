@@ -191,3 +191,61 @@ def test_a_sampled_lookup_draft_leaves_the_output_distribution_exactly_the_targe
         assert outcome.num_accepted.float().mean().item() == pytest.approx(expected, abs=0.015)
         for token, p in ((likely, 0.6), (unlikely, 0.1), (other, 0.3)):
             assert (first == token).float().mean().item() == pytest.approx(p, abs=0.015), (draft_token, token)
+
+
+def test_a_step_that_skips_the_drafter_still_verifies_its_lookup_rows_and_teaches_only_their_survivals(
+        tmp_path, monkeypatch):
+    from sglang_dspark.engine.planning import StepDecision
+
+    planner = _production_planner(tmp_path, monkeypatch)
+    assert planner.verifies_lookups_on_skipped_steps
+    rids, context, greedy = ["a", "b", "c"], torch.tensor([100, 100, 100]), torch.tensor([True, True, True])
+    planner.plan(rids, torch.zeros((3, 7)), context, StepDecision(draft_width=7, capacity=21), greedy=greedy)
+    published = len(planner.capacity_planner._history)
+    recorded = []
+    monkeypatch.setattr(planner.capacity_planner, "record_step", lambda *args: recorded.append(args))
+    skip = StepDecision(draft_width=0, capacity=0)
+    plan = planner.plan(rids, torch.zeros((3, 7)), context, skip, greedy=greedy, lookup_lens=torch.tensor([0, 7, 0]))
+    lens = plan.verify_lens.tolist()
+    assert lens[0] == 0 and lens[2] == 0 and lens[1] > 0, "only the lookup row verifies: no drafter ran"
+    assert plan.confidence_logits is None and plan.survivals[[0, 2]].abs().sum() == 0
+    assert len(planner.capacity_planner._history) == published, "no drafter survivals to publish"
+    before = planner.lookup_survival["greedy"].survivals()
+    planner.observe(plan, rids, target_seconds=0.05, step_seconds=0.05, committed_tokens=5, drafted=False)
+    planner.observe_rounds(plan, torch.tensor([0, 0, 0]), greedy=greedy)
+    assert recorded == [], "a lookup-only step is neither a drafted nor a skipped step to the draft-or-skip check"
+    assert planner.lookup_survival["greedy"].survivals()[0] < before[0]
+    assert planner._pending_rounds == [], "no drafter round waits for the calibration"
+
+
+def test_lookup_rows_verify_past_a_narrow_drafter_width_and_the_drafters_rows_never_do(tmp_path, monkeypatch):
+    from sglang_dspark.engine.planning import StepDecision
+
+    from test_engine_units import _draft_folder
+
+    from sglang_dspark.engine.planning import VerifyPlanner
+    from sglang_dspark.engine.settings import load_settings
+
+    monkeypatch.setenv("DSPARK_PLANNER", "all")
+    planner = VerifyPlanner(load_settings(_draft_folder(tmp_path, block_size=7)))
+    assert not planner.verifies_lookups_on_skipped_steps, "fixed:0 and friends skip because they were told to"
+    rids, context = ["a", "b"], torch.tensor([100, 100])
+    plan = planner.plan(rids, torch.zeros((2, 7)), context, StepDecision(draft_width=3, capacity=None),
+                        lookup_lens=torch.tensor([0, 7]))
+    assert plan.verify_lens.tolist() == [3, 7]
+
+
+def test_a_narrow_drafter_block_merges_with_full_width_lookup_rows():
+    from sglang_dspark.decoding import SamplingParams, sample_block
+
+    worker = _lookup_worker("on", draft_vocab_size=40)
+    params = SamplingParams(temperature=torch.tensor([1.0, 1.0]), top_p=torch.ones(2),
+                            top_k=torch.zeros(2, dtype=torch.long))
+    hidden = torch.randn(1, 2, worker.drafter.config.hidden_size)  # a block of width 2
+    block = sample_block(worker.drafter, hidden, torch.tensor([3]), params.select(torch.tensor([0])),
+                         torch.Generator().manual_seed(0))
+    lookup = worker.drafter.d2t[:4].tolist()
+    merged = worker._with_lookup_drafts(block, torch.tensor([True, False]), [[], lookup], params, width=4)
+    assert merged.tokens.shape == (2, 4) and merged.tokens[1].tolist() == lookup
+    assert torch.equal(merged.tokens[0, :2], block.tokens[0]) and torch.equal(merged.probs[0, :2], block.probs[0])
+    assert merged.probs[0, 2:].abs().sum() == 0 and merged.probs[1].sum(-1).tolist() == [1.0] * 4

@@ -275,45 +275,56 @@ class VerifyPlanner:
              decision: StepDecision | None = None, greedy: torch.Tensor | None = None,
              lookup_lens: torch.Tensor | None = None) -> Plan:
         """Verify lengths for this step, given the drafts' confidence logits [B, w] (w <= gamma:
-        the drafter ran only the decision's draft width).
+        the drafter ran only the decision's draft width; lookup rows may hold up to gamma drafts,
+        and a production step that skipped the drafter may still verify its lookup rows').
 
         `confidence_logits` is None for a drafter without a confidence head (a DFlash drafter): only
         `all` and `fixed` can plan without survivals, and `load_settings` refuses `production` for
         such a drafter at launch. `decision` is this step's `decide` (made here when not given);
         `greedy` [B] marks the greedy requests (their own calibration); `lookup_lens` [B] counts the
         lookup drafts (`engine.lookup`) that replaced a request's block (0: none): those rows take
-        their temperature class's lookup survivals, and never verify past their lookup drafts."""
+        their temperature class's lookup survivals, and never verify past their lookup drafts, as
+        the drafter's rows never verify past the decision's width."""
         batch = len(request_ids)
         decision = decision or self.decide(request_ids, context_lens)
         if confidence_logits is None:
             if self.settings.planner == "production":
                 raise ValueError("the production planner needs a drafter with a confidence head")
-            verify_lens = _within_lookup(torch.full((batch,), self._next_static_drafts(), dtype=torch.long), lookup_lens)
+            verify_lens = torch.minimum(torch.full((batch,), self._next_static_drafts(), dtype=torch.long),
+                                        _draft_limits(batch, decision.draft_width, lookup_lens))
             return Plan(verify_lens=verify_lens, capacity=None, predicted_seconds=None, confidence_logits=None,
                         survivals=None, lookup_lens=lookup_lens)
         confidence_logits = confidence_logits[:, : self.gamma].float().cpu()
         width = confidence_logits.shape[1]
+        drafted_width = min(width, decision.draft_width)  # the drafter's rows hold this many drafts
+        limits = _draft_limits(batch, drafted_width, lookup_lens)
         # survivals are prefix products: slots past the drafted width (padding here) change none
-        # of the first `width`, and neither the verify lengths (max_lens) nor publish read them
+        # of the first `width`, and neither the verify lengths (limits) nor publish read them
         padded = torch.nn.functional.pad(confidence_logits, (0, self.gamma - width))
         survivals = self.survivals(padded, greedy)
         if lookup_lens is not None:
             survivals = self._with_lookup_survivals(survivals, lookup_lens, greedy)
+        survivals = survivals * (torch.arange(1, self.gamma + 1)[None, :] <= limits[:, None])  # no draft, no survival
         if self.settings.planner != "production":
-            verify_lens = _within_lookup(torch.full((batch,), min(self._next_static_drafts(), width), dtype=torch.long),
-                                         lookup_lens)
+            verify_lens = torch.minimum(torch.full((batch,), self._next_static_drafts(), dtype=torch.long), limits)
             return Plan(verify_lens=verify_lens, capacity=None, predicted_seconds=None,
                         confidence_logits=confidence_logits, survivals=survivals[:, :width], lookup_lens=lookup_lens)
-        if not decision.draft:
-            raise ValueError("plan() needs drafts: a step decided not to draft takes skipped()")
-        width = min(width, decision.draft_width)
-        verify_lens = _within_lookup(self.capacity_planner.verify_lens(survivals, width, float(context_lens.sum())),
-                                     lookup_lens)
-        self.capacity_planner.publish(request_ids, survivals, width)
+        if not bool((limits > 0).any()):
+            raise ValueError("plan() needs drafts: a step decided not to draft, without lookup drafts, takes skipped()")
+        verify_lens = self.capacity_planner.verify_lens(survivals, limits, float(context_lens.sum()))
+        if decision.draft:  # a lookup-only step says nothing of what the drafter's rows would survive
+            self.capacity_planner.publish(request_ids, survivals, drafted_width)
         shape = self._shape(batch, int(verify_lens.sum()), context_lens)
         return Plan(verify_lens=verify_lens, capacity=decision.capacity, predicted_seconds=self._predict(shape),
-                    confidence_logits=confidence_logits[:, :width], survivals=survivals[:, :width],
-                    step_shape=shape, lookup_lens=lookup_lens)
+                    confidence_logits=confidence_logits[:, :width] if decision.draft else None,
+                    survivals=survivals[:, :width], step_shape=shape, lookup_lens=lookup_lens)
+
+    @property
+    def verifies_lookups_on_skipped_steps(self) -> bool:
+        """Whether a step that skips the drafter still verifies lookup drafts: with the production
+        planner, whose skip is a judgement of the drafter's cost (`all`/`fixed`/`sweep` skip
+        because they were told to: `fixed:0` is the one-token baseline)."""
+        return self.settings.planner == "production"
 
     def _with_lookup_survivals(self, survivals: torch.Tensor, lookup_lens: torch.Tensor,
                                greedy: torch.Tensor | None) -> torch.Tensor:
@@ -355,22 +366,25 @@ class VerifyPlanner:
         `request_ids`, the step's batch, changed since the previous step)."""
         if self.capacity_planner is not None:
             self.capacity_planner.observe(plan.step_shape, target_seconds)
-            self.capacity_planner.record_step(request_ids, drafted, committed_tokens, step_seconds)
+            lookup_only = not drafted and plan.lookup_lens is not None and bool((plan.lookup_lens > 0).any())
+            if not lookup_only:  # neither a drafted step nor a plain one: the draft-or-skip check skips it
+                self.capacity_planner.record_step(request_ids, drafted, committed_tokens, step_seconds)
 
     def observe_rounds(self, plan: Plan, num_accepted: torch.Tensor, greedy: torch.Tensor) -> None:
         """A drafted step's verify outcomes (accepted drafts [B], greedy [B]) for the served
         offsets of each temperature class and live recalibration, taken in every
         `ROUNDS_PER_FLUSH` drafted steps (`flush_rounds`); lookup rounds go to the lookup
         survivals at once (their drafts are not the drafter's, so they say nothing of its head)."""
-        if plan.confidence_logits is None:
-            return
         verify_lens, num_accepted, greedy = plan.verify_lens, num_accepted.cpu(), greedy.bool().cpu()
-        logits = plan.confidence_logits
         if plan.lookup_lens is not None:  # lookup rounds teach the lookup survivals, not the calibration
             lookup = plan.lookup_lens > 0
             for kind, rows in (("greedy", lookup & greedy), ("sampled", lookup & ~greedy)):
                 if bool(rows.any()):
                     self.lookup_survival[kind].add(verify_lens[rows], num_accepted[rows])
+        if plan.confidence_logits is None:  # no drafter rows (or no head to calibrate)
+            return
+        logits = plan.confidence_logits
+        if plan.lookup_lens is not None:
             logits, verify_lens, num_accepted, greedy = logits[~lookup], verify_lens[~lookup], num_accepted[~lookup], greedy[~lookup]
         if self.served_offsets is None and self.recalibrator is None:
             return
@@ -422,8 +436,7 @@ class VerifyPlanner:
         return None if shape is None else self.capacity_planner.cost_model.predict(shape)
 
 
-def _within_lookup(verify_lens: torch.Tensor, lookup_lens: torch.Tensor | None) -> torch.Tensor:
-    """Verify lengths cut to each lookup row's drafts (rows without lookup drafts unchanged)."""
-    if lookup_lens is None:
-        return verify_lens
-    return torch.where(lookup_lens > 0, torch.minimum(verify_lens, lookup_lens), verify_lens)
+def _draft_limits(batch: int, drafted_width: int, lookup_lens: torch.Tensor | None) -> torch.Tensor:
+    """Drafts each request holds this step [B]: its lookup drafts, else the drafter's width."""
+    limits = torch.full((batch,), drafted_width, dtype=torch.long)
+    return limits if lookup_lens is None else torch.where(lookup_lens > 0, lookup_lens, limits)

@@ -275,15 +275,21 @@ class DSparkLiveWorker(BaseSpecWorker):
         decision = self.planner.decide(rids, seq_lens)
         times.decide, clock = _lap(clock)
         caught_up = 0
-        if decision.draft:  # only the slots this step may verify are walked
-            proposals, lookup_lens = self._lookup_proposals(slots, bonus, seq_lens, params, decision.draft_width)
+        proposals, lookup_lens = [], None
+        if decision.draft or self.planner.verifies_lookups_on_skipped_steps:
+            # lookups cost no drafting, so they span the whole block whatever width the drafter runs at
+            proposals, lookup_lens = self._lookup_proposals(slots, bonus, seq_lens, params, self.settings.gamma)
             lookup_seconds, clock = _lap(clock)
             times.decide += lookup_seconds
+        has_lookups = lookup_lens is not None and bool((lookup_lens > 0).any())
+        if decision.draft or has_lookups:
             # requests with lookup drafts skip the drafter (their context catches up when they next draft)
-            walked = torch.ones(batch_size, dtype=torch.bool) if lookup_lens is None else lookup_lens == 0
-            every_row = bool(walked.all())
+            walked = torch.full((batch_size,), decision.draft, dtype=torch.bool)
+            if has_lookups:
+                walked &= lookup_lens == 0
             block = None
             if bool(walked.any()):
+                every_row = bool(walked.all())
                 rows = walked.nonzero().squeeze(-1)
                 own = (slots, bonus, seq_lens, params) if every_row else (
                     slots[rows], bonus[rows], seq_lens[rows], params.select(rows))
@@ -293,10 +299,10 @@ class DSparkLiveWorker(BaseSpecWorker):
                 block = self._draft_block(own[0], own[1], own[3], decision.draft_width, times)
                 clock = time.perf_counter()
                 self.planner.draft_costs.add(len(rows), decision.draft_width, times.block, times.walk)
-            draft = block if every_row else self._with_lookup_drafts(block, walked, proposals, params,
-                                                                     decision.draft_width)
+            draft = block if not has_lookups else self._with_lookup_drafts(block, walked, proposals, params,
+                                                                           self.settings.gamma)
             plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision, greedy=params.greedy,
-                                     lookup_lens=lookup_lens)
+                                     lookup_lens=lookup_lens if has_lookups else None)
             times.plan, _ = _lap(clock)
             drafts = draft.tokens
         else:  # drafts would cost more than they return: this step is a plain decode step
@@ -316,7 +322,7 @@ class DSparkLiveWorker(BaseSpecWorker):
                                     target_argmax=target_argmax, sampler=self.target_sampler)
         accept_lens = outcome.num_accepted + 1
         new_seq_lens = seq_lens + accept_lens
-        if decision.draft:
+        if decision.draft or has_lookups:
             committed = _committed_rows(window_lens, accept_lens)
             window_kv_slots, taps = window_kv_slots[committed], taps[committed]
         self._store_taps(window_kv_slots, taps)  # a one-token step commits every row
@@ -401,14 +407,15 @@ class DSparkLiveWorker(BaseSpecWorker):
         if sampled:
             for row in (~walked & ~params.greedy.cpu()).nonzero().squeeze(-1).tolist():
                 probs[row, torch.arange(width), self._draft_columns(proposals[row])] = 1.0
-        if block is not None:
+        if block is not None:  # the drafter's rows: its width, zeros past it (never verified)
+            drafted = block.tokens.shape[1]
             tokens = tokens.to(block.tokens.device)
-            tokens[walked] = block.tokens
+            tokens[walked, :drafted] = block.tokens
             if confidences is not None:
-                confidences[walked] = block.confidence_logits.float().cpu()
+                confidences[walked, :drafted] = block.confidence_logits.float().cpu()
             if probs is not None:
                 probs = probs.to(block.probs.device)
-                probs[walked] = block.probs
+                probs[walked, :drafted] = block.probs
         return DraftBlock(tokens=tokens, probs=probs, confidence_logits=confidences,
                           probs_vocab=self.drafter.d2t if sampled else None)
 
