@@ -249,3 +249,17 @@ def test_a_narrow_drafter_block_merges_with_full_width_lookup_rows():
     assert merged.tokens.shape == (2, 4) and merged.tokens[1].tolist() == lookup
     assert torch.equal(merged.tokens[0, :2], block.tokens[0]) and torch.equal(merged.probs[0, :2], block.probs[0])
     assert merged.probs[0, 2:].abs().sum() == 0 and merged.probs[1].sum(-1).tolist() == [1.0] * 4
+
+
+def test_a_step_that_skipped_the_drafter_merges_sampled_lookup_rows_beside_rows_without_drafts():
+    """The drafter walked no row: a sampled request without a lookup holds no draft at all (its
+    verify length is 0), the sampled lookup row its point masses. (Served at T=1 this crashed.)"""
+    from sglang_dspark.decoding import SamplingParams
+
+    worker = _lookup_worker("on", draft_vocab_size=40)
+    params = SamplingParams(temperature=torch.tensor([1.0, 1.0, 0.0]), top_p=torch.ones(3),
+                            top_k=torch.zeros(3, dtype=torch.long))
+    lookup = worker.drafter.d2t[:4].tolist()
+    merged = worker._with_lookup_drafts(None, torch.zeros(3, dtype=torch.bool), [[], lookup, []], params, width=4)
+    assert merged.tokens[1].tolist() == lookup
+    assert merged.probs[0].abs().sum() == 0 and merged.probs[1].sum(-1).tolist() == [1.0] * 4

@@ -405,8 +405,10 @@ class DSparkLiveWorker(BaseSpecWorker):
         sampled = not bool(params.greedy.all())
         probs = torch.zeros((batch, width, self.drafter.config.draft_vocab_size), dtype=torch.float32) if sampled else None
         if sampled:
-            for row in (~walked & ~params.greedy.cpu()).nonzero().squeeze(-1).tolist():
-                probs[row, torch.arange(width), self._draft_columns(proposals[row])] = 1.0
+            greedy = params.greedy.tolist()
+            for row, lookup in enumerate(proposals):  # (a step that skipped the drafter walks no row)
+                if lookup and not greedy[row]:
+                    probs[row, torch.arange(width), self._draft_columns(lookup)] = 1.0
         if block is not None:  # the drafter's rows: its width, zeros past it (never verified)
             drafted = block.tokens.shape[1]
             tokens = tokens.to(block.tokens.device)
