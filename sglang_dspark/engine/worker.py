@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import cached_property
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -381,13 +382,17 @@ class DSparkLiveWorker(BaseSpecWorker):
                      for tokens, is_greedy in zip(proposals, greedy)]
         return proposals, torch.tensor([len(tokens) for tokens in proposals], dtype=torch.long)
 
+    @cached_property
+    def _d2t_cpu(self) -> torch.Tensor | None:
+        """The draft-to-target id map on the CPU, where lookups are proposed (copied once, not per row)."""
+        return None if self.drafter.d2t is None else self.drafter.d2t.cpu()
+
     def _draft_columns(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
         """Target token ids -> their columns in the draft distribution (-1: outside the draft vocabulary)."""
         tokens = torch.as_tensor(tokens, dtype=torch.long)
-        d2t = self.drafter.d2t
+        d2t = self._d2t_cpu
         if d2t is None:
             return tokens
-        d2t = d2t.cpu()
         columns = torch.searchsorted(d2t, tokens).clamp(max=d2t.numel() - 1)
         return torch.where(d2t[columns] == tokens, columns, -1)
 
