@@ -175,6 +175,28 @@ def test_a_drafter_not_worth_its_cost_is_skipped_and_output_stays_exact(servers,
     assert all(step["block_seconds"] == step["walk_seconds"] == 0.0 for step in skipped)
 
 
+def test_sampled_requests_beside_greedy_ones_on_steps_that_skip_the_drafter_are_served(servers, baseline_outputs,
+                                                                                      server_pool):
+    """Sampled rows verify their lookup drafts on skipped steps beside sampled rows with none (a
+    batch like this crashed the server once) and greedy rows stay exactly plain serving's."""
+    logged_before = len(_step_log(server_pool, "dspark_skip"))
+    greedy_requests = [(p, greedy(n, ignore_eos=True)) for p, n in zip(PROMPTS[:4], MAX_NEW[:4])]
+    sampled_requests = [(p, {"temperature": temperature, "max_new_tokens": 48, "ignore_eos": True})
+                        for p in PROMPTS[4:] for temperature in (0.3, 1.0)]
+    outputs = generate_all(servers["dspark_skip"].url, greedy_requests + sampled_requests)
+    for i, (got, want) in enumerate(zip(outputs[:4], baseline_outputs[:4])):
+        assert got["output_ids"] == want["output_ids"], f"greedy request {i} diverged from plain serving"
+    assert all(out["meta_info"]["completion_tokens"] == 48 for out in outputs[4:])
+    steps = _step_log(server_pool, "dspark_skip")[logged_before:]
+    sampled_rows_of_skipped_steps = [[request for request in step["requests"] if request["temperature"] > 0]
+                                     for step in steps if not step["drafted"]]
+    mixed = [rows for rows in sampled_rows_of_skipped_steps
+             if any(row["verify_len"] > 0 for row in rows) and any(row["lookup_drafts"] == 0 for row in rows)]
+    assert mixed, "no skipped step verified a sampled row's lookup drafts beside a sampled row without any"
+    for rows in sampled_rows_of_skipped_steps:
+        assert all(row["verify_len"] <= row["lookup_drafts"] for row in rows), rows
+
+
 @pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
 def test_max_new_tokens_is_never_overshot(servers, baseline_outputs, flavour):
     limits = [1, 2, 3, 4, 5, 6, 11]
