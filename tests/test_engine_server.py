@@ -303,6 +303,18 @@ def test_temperature_one_request_completes_and_records_accepted_lengths(servers)
     assert 1.0 <= meta["spec_accept_length"] <= 5.0
 
 
+def test_top_p_and_top_k_narrowing_sampling_to_one_token_serve_plain_greedy_text(servers, baseline_outputs):
+    """Sampled requests (temperature 1) whose top-p or top-k leaves only the most likely token must
+    serve exactly plain greedy's text: drafts and lookups outside the kept set are all rejected."""
+    narrow = [{"top_p": 1e-6}, {"top_k": 1}, {"top_p": 1e-6, "top_k": 5}]
+    requests = [(PROMPTS[i], {"temperature": 1.0, "max_new_tokens": MAX_NEW[i], "ignore_eos": True, **extra})
+                for i in (0, 2, 5) for extra in narrow]
+    outputs = generate_all(servers["dspark_overlap"].url, requests)
+    for (prompt, sampling), out in zip(requests, outputs):
+        want = baseline_outputs[PROMPTS.index(prompt)]["output_ids"]
+        assert out["output_ids"] == want, f"{sampling} did not keep to the most likely token"
+
+
 def test_unsupported_sampling_features_are_refused_with_a_reason_not_served_wrongly(servers):
     url = servers["dspark_overlap"].url
     response = httpx.post(f"{url}/generate", timeout=300, json={
