@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import logging
 import time
-from functools import cached_property
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -410,10 +410,10 @@ class DSparkLiveWorker(BaseSpecWorker):
         sampled = not bool(params.greedy.all())
         probs = torch.zeros((batch, width, self.drafter.config.draft_vocab_size), dtype=torch.float32) if sampled else None
         if sampled:
-            greedy = params.greedy.tolist()
+            greedy, positions = params.greedy.tolist(), torch.arange(width)
             for row, lookup in enumerate(proposals):  # (a step that skipped the drafter walks no row)
                 if lookup and not greedy[row]:
-                    probs[row, torch.arange(width), self._draft_columns(lookup)] = 1.0
+                    probs[row, positions, self._draft_columns(lookup)] = 1.0
         if block is not None:  # the drafter's rows: its width, zeros past it (never verified)
             drafted = block.tokens.shape[1]
             tokens = tokens.to(block.tokens.device)
