@@ -420,7 +420,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             tokens[walked, :drafted] = block.tokens
             if confidences is not None:
                 confidences[walked, :drafted] = block.confidence_logits.float().cpu()
-            if probs is not None:
+            if probs is not None and block.probs is not None:  # (None: every walked row is greedy)
                 probs = probs.to(block.probs.device)
                 probs[walked, :drafted] = block.probs
         return DraftBlock(tokens=tokens, probs=probs, confidence_logits=confidences,
