@@ -265,17 +265,21 @@ def test_the_same_test_catches_a_broken_rule(monkeypatch: pytest.MonkeyPatch, br
     assert p_value < FALSE_ALARM_RATE, f"{broken_rule.__name__} went unnoticed (p={p_value:.3f})"
 
 
-@pytest.mark.parametrize("case", ["T=1", "T=0.7,reduced_draft_vocab"])
-def test_rejection_sampling_is_lossless_with_the_target_sampling_kernel(case: str) -> None:
-    """The served sampler (`kernels_cpu.target_sampling`) in place of the materialised softmax."""
-    from sglang_dspark.kernels_cpu.target_sampling import temperature_sampler
+KERNEL_CASES = {"T=0.7,reduced_draft_vocab": ((0.7, 1.0, 0), True)} | LOSSLESS_CASES
 
-    params_one, reduced = {"T=1": ((1.0, 1.0, 0), False), "T=0.7,reduced_draft_vocab": ((0.7, 1.0, 0), True)}[case]
+
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_rejection_sampling_is_lossless_with_the_target_sampling_kernel(case: str) -> None:
+    """The served sampler (`kernels_cpu.target_sampling`) in place of the materialised softmax,
+    top-k and top-p included."""
+    from sglang_dspark.kernels_cpu.target_sampling import kernel_sampler
+
+    params_one, reduced = KERNEL_CASES[case]
     target, drafter = tables(reduced)
     used = []
 
     def sampler(logits, rows, params):
-        used.append(temperature_sampler(logits, rows, params))
+        used.append(kernel_sampler(logits, rows, params))
         return used[-1]
 
     counts = simulate(target, drafter, params_one, seed=7, sampler=sampler)

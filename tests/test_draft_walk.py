@@ -1,5 +1,5 @@
 """The one-call C++ walk drafts what `decoding.sample_block` drafts: the same greedy drafts, and
-sampled drafts from the distributions it reports."""
+sampled drafts (top-k / top-p too, greedy rows beside them) from the distributions it reports."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_the_sampled_walk_reports_the_torch_walks_first_slot_distribution(dtype,
     params = SamplingParams(temperature=temperatures, top_p=torch.ones(6), top_k=torch.zeros(6, dtype=torch.long))
     with torch.inference_mode():
         want = sample_block(drafter, block, anchors, params, torch.Generator().manual_seed(0))
-        got = KernelWalk(drafter).sampled(block, anchors, temperatures, torch.Generator().manual_seed(0))
+        got = KernelWalk(drafter).sampled(block, anchors, params, torch.Generator().manual_seed(0))
     assert got.probs.shape == want.probs.shape and got.tokens.shape == (6, 7)
     if drafter.d2t is not None:
         assert torch.equal(got.probs_vocab, drafter.d2t)
@@ -92,7 +92,70 @@ def test_sampled_drafts_follow_the_distribution_the_walk_reports():
     hidden = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(6)).expand(rows, 1, 64).contiguous()
     anchors = torch.full((rows,), 7)
     with torch.inference_mode():
-        block = KernelWalk(drafter).sampled(hidden, anchors, torch.full((rows,), 1.5), torch.Generator().manual_seed(1))
+        block = KernelWalk(drafter).sampled(hidden, anchors, SamplingParams.uniform(rows, temperature=1.5),
+                                            torch.Generator().manual_seed(1))
     columns = torch.searchsorted(block.probs_vocab, block.tokens[:, 0])
     counts = torch.bincount(columns, minlength=24)
     assert chi_square_p_value(counts, block.probs[0, 0].double()) > FALSE_ALARM_RATE
+
+
+MIXED = SamplingParams(  # greedy, temperature only, top-p, top-k, both, a top-k wider than the vocabulary
+    temperature=torch.tensor([0.0, 0.8, 1.0, 1.2, 0.7, 1.0, 0.0, 2.0]),
+    top_p=torch.tensor([1.0, 1.0, 0.9, 1.0, 0.8, 1.0, 0.5, 0.6]),
+    top_k=torch.tensor([0, 0, 0, 5, 20, 100_000, 3, 0]),
+)
+
+
+@pytest.mark.parametrize("name", ["dspark, reduced vocabulary", "dspark, full vocabulary"])
+def test_a_mixed_batch_walks_as_sample_block_walks_it(name):
+    """Greedy rows draft the greedy walk's tokens; every sampled row's first slot reports
+    `logits_to_probs`'s distribution: the same top-k / top-p set, renormalised."""
+    drafter = _drafter(torch.float32, DRAFTERS[name], served_layout=True)
+    block = torch.randn(8, 7, 64, generator=torch.Generator().manual_seed(7))
+    anchors = torch.randint(0, 512, (8,), generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        want = sample_block(drafter, block, anchors, MIXED, torch.Generator().manual_seed(0))
+        got = KernelWalk(drafter).sampled(block, anchors, MIXED, torch.Generator().manual_seed(0))
+        greedy = sample_block(drafter, block, anchors, SamplingParams.uniform(8, temperature=0.0))
+    rows = MIXED.greedy
+    assert torch.equal(got.tokens[rows], greedy.tokens[rows])
+    assert torch.equal(got.probs[rows], want.probs[rows]), "greedy rows: one-hot on their drafts"
+    torch.testing.assert_close(got.probs[:, 0], want.probs[:, 0], rtol=1e-4, atol=1e-6)
+    kept = (got.probs[:, 0] > 0).sum(-1)
+    assert kept[3] == 5 and kept[4] <= 20 and 1 < kept[2] < got.probs.shape[-1], kept.tolist()
+    assert bool((got.token_probs(torch.arange(8).repeat_interleave(7), torch.arange(7).repeat(8)) > 0).all()), \
+        "every draft lies in its reported top-k / top-p set"
+
+
+def test_a_nucleus_reaching_into_the_light_tail_is_cut_exactly():
+    """Peaked rows whose top-p set takes tokens under a thousandth of the heaviest one (the kernel
+    sorts only the heavy columns first, then widens) keep what `logits_to_probs` keeps."""
+    drafter = _drafter(torch.float32, DRAFTERS["dflash twin (no heads)"], served_layout=False)
+    scales = torch.logspace(0, 1.6, 12)  # from the drafter's spread to far more peaked rows
+    block = torch.randn(12, 1, 64, generator=torch.Generator().manual_seed(9)) * scales[:, None, None]
+    anchors = torch.zeros(12, dtype=torch.long)
+    params = SamplingParams.uniform(12, temperature=1.0, top_p=0.995)
+    with torch.inference_mode():
+        want = sample_block(drafter, block, anchors, params, torch.Generator().manual_seed(0))
+        got = KernelWalk(drafter).sampled(block, anchors, params, torch.Generator().manual_seed(0))
+    kept = want.probs[:, 0]
+    lightest_kept = torch.where(kept > 0, kept, torch.inf).min(-1).values
+    assert bool((lightest_kept < 1e-3 * kept.max(-1).values).any()), "no row tested the widening"
+    assert torch.equal(got.probs[:, 0] > 0, kept > 0)
+    torch.testing.assert_close(got.probs[:, 0], kept, rtol=1e-4, atol=1e-7)
+
+
+def test_top_p_drafts_follow_the_distribution_the_walk_reports():
+    from decoding_stats import FALSE_ALARM_RATE, chi_square_p_value
+
+    drafter = _drafter(torch.float32, dict(draft_vocab_size=24), served_layout=False)
+    rows = 20_000
+    hidden = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(6)).expand(rows, 1, 64).contiguous()
+    params = SamplingParams.uniform(rows, temperature=1.5, top_p=0.7, top_k=6)
+    with torch.inference_mode():
+        block = KernelWalk(drafter).sampled(hidden, torch.full((rows,), 7), params, torch.Generator().manual_seed(2))
+    reported = block.probs[0, 0].double()
+    assert 1 < int((reported > 0).sum()) <= 6
+    counts = torch.bincount(torch.searchsorted(block.probs_vocab, block.tokens[:, 0]), minlength=24)
+    assert int(counts[reported == 0].sum()) == 0, "a draft outside the top-k / top-p set"
+    assert chi_square_p_value(counts[reported > 0], reported[reported > 0]) > FALSE_ALARM_RATE

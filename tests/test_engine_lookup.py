@@ -171,7 +171,7 @@ def test_a_sampled_lookup_draft_leaves_the_output_distribution_exactly_the_targe
     probability of it, else sample the target's distribution without it; the committed token is
     distributed as the target's, whether the draft is likely or not (both target samplers)."""
     from sglang_dspark.decoding import SamplingParams, verify_packed
-    from sglang_dspark.kernels_cpu.target_sampling import temperature_sampler
+    from sglang_dspark.kernels_cpu.target_sampling import kernel_sampler
 
     worker = _lookup_worker("on", draft_vocab_size=40)
     rows, width = 20000, 1
@@ -186,7 +186,7 @@ def test_a_sampled_lookup_draft_leaves_the_output_distribution_exactly_the_targe
                                             params, width=width)
         logits = logits_row.repeat(rows * (width + 1), 1)
         outcome = verify_packed(merged, logits, torch.full((rows,), width), params, torch.Generator().manual_seed(1),
-                                sampler=temperature_sampler if kernel else None)
+                                sampler=kernel_sampler if kernel else None)
         first = outcome.tokens[:, 0]
         assert outcome.num_accepted.float().mean().item() == pytest.approx(expected, abs=0.015)
         for token, p in ((likely, 0.6), (unlikely, 0.1), (other, 0.3)):

@@ -50,7 +50,7 @@ from sglang_dspark.kernels_cpu.layer_hooks import kernels_enabled as layer_kerne
 from sglang_dspark.kernels_cpu.layer_ops import load_layer_ops, row_argmax
 from sglang_dspark.kernels_cpu.gemm_layout import add_linear_panels, gemm_layout_mode, relayout_linears
 from sglang_dspark.kernels_cpu.panel_gemm import PanelKernelUnavailable
-from sglang_dspark.kernels_cpu.target_sampling import load_target_sampling, temperature_sampler
+from sglang_dspark.kernels_cpu.target_sampling import load_target_sampling, kernel_sampler
 from sglang_dspark.model import DraftContextCache, TargetWeights, load_drafter
 from sglang_dspark.model.cache import packed_rows
 from sglang_dspark.runtime import cpu_has_native_bf16
@@ -359,8 +359,8 @@ class DSparkLiveWorker(BaseSpecWorker):
         times.block, clock = _lap(clock)
         if self.kernel_walk is not None and bool(params.greedy.all()):
             draft = self.kernel_walk.greedy(hidden, bonus)
-        elif self.kernel_walk is not None and _temperature_only(params):
-            draft = self.kernel_walk.sampled(hidden, bonus, params.temperature, self.generator)
+        elif self.kernel_walk is not None:
+            draft = self.kernel_walk.sampled(hidden, bonus, params, self.generator)
         else:
             draft = sample_block(self.drafter, hidden, bonus.to(self.device), params.to(self.device), self.generator)
         times.walk, _ = _lap(clock)
@@ -593,8 +593,7 @@ def _row_argmax_for(device) -> Callable[[torch.Tensor], torch.Tensor]:
 def _kernel_walk_for(drafter) -> KernelWalk | None:
     """The one-call C++ walk on a CPU (greedy: 0.5 against 2.1 ms for a 7-slot block at batch 1
     here), or None: other devices, gated/RNN Markov heads, `DSPARK_CPU_LAYER_OPS=torch`, and (with
-    a warning) a CPU where the kernel cannot be built walk with `decoding.sample_block`, as do
-    batches with top-k/top-p or mixed greedy and sampled requests."""
+    a warning) a CPU where the kernel cannot be built walk with `decoding.sample_block`."""
     if not kernel_walk_fits(drafter) or not layer_kernels_enabled():
         return None
     try:
@@ -604,13 +603,8 @@ def _kernel_walk_for(drafter) -> KernelWalk | None:
         return None
 
 
-def _temperature_only(params: SamplingParams) -> bool:
-    """Every request samples at a temperature, with no top-k and no top-p."""
-    return not bool(params.greedy.any()) and not bool((params.top_k > 0).any()) and not bool((params.top_p < 1.0).any())
-
-
 def _target_sampler_for(device) -> TargetSampler | None:
-    """The C++ target sampling for temperature-only requests on a CPU (a batch-16 step's sampled
+    """The C++ target sampling for sampled requests on a CPU (a batch-16 step's sampled
     acceptance without 49,152-way softmaxes of every verify row), or None (torch's): other devices,
     `DSPARK_CPU_LAYER_OPS=torch`, or (with a warning) a CPU where the kernel cannot be built."""
     if torch.device(device).type != "cpu" or not layer_kernels_enabled():
@@ -620,7 +614,7 @@ def _target_sampler_for(device) -> TargetSampler | None:
     except KernelUnavailable as error:
         logger.warning("DSPARK_LIVE: sampled acceptance materialises the target's softmax (no kernel: %s)", error)
         return None
-    return temperature_sampler
+    return kernel_sampler
 
 
 def _committed_rows(window_lens: torch.Tensor, accept_lens: torch.Tensor) -> torch.Tensor:

@@ -10,14 +10,17 @@
 // once, as torch's bfloat16 linear rounds its output, so the drafts are torch's.
 //
 // The sampled walk draws x_k from softmax(scores * scale) instead (scale = 1 / temperature, one
-// uniform per slot, an inverse CDF over 16-column chunks) and writes that distribution, which
-// rejection sampling needs as p_d.
+// uniform per slot, an inverse CDF over 16-column chunks), restricted to the row's top-k / top-p
+// set as decoding.logits_to_probs restricts it, and writes that distribution, which rejection
+// sampling needs as p_d. A row with scale 0 is greedy inside a sampled batch: its argmax, and a
+// one-hot distribution on it.
 #include <stdint.h>
 
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "nucleus.h"
 #include "simd_math.h"
 #include "simd16.h"
 
@@ -39,7 +42,9 @@ struct Walk {
   int64_t rows, width, draft_vocab;
   int64_t* tokens;  // [rows, width] target ids
   float* confidences;  // [rows, width], or null
-  const float* scale;  // sampled walk: 1 / temperature per row; null: greedy
+  const float* scale;  // sampled walk: 1 / temperature per row (0: a greedy row); null: all greedy
+  const int64_t* top_k;  // sampled walk: [rows], 0 = off
+  const float* top_p;  // sampled walk: [rows], 1 = off
   const double* uniforms;  // sampled walk: [rows, width] in [0, 1)
   float* probs;  // sampled walk: [rows, width, draft_vocab], each draft's distribution
 };
@@ -87,8 +92,27 @@ int64_t argmax_scores(const float* scores, int64_t n) {
   return best;
 }
 
-// A draw from softmax(scores * scale) with uniform u; that distribution goes to probs[0, n).
-int64_t sample_scores(const float* scores, int64_t n, float scale, double u, float* probs) {
+// Zeroes the weights e[0, n) outside the top-k / top-p set (nucleus.h) and returns the sum of those
+// kept (`total` without top-k / top-p).
+double keep_nucleus(float* e, int64_t n, double total, int64_t top_k, float top_p, std::vector<Weighted>& kept) {
+  const bool cut = nucleus(n, top_k, top_p, total, kept, [e, n](float floor, std::vector<Weighted>& heavy) {
+    for (int64_t j = 0; j < n; ++j)
+      if (e[j] > 0.0f && e[j] >= floor) heavy.emplace_back(e[j], j);
+  });
+  if (!cut) return total;
+  std::memset(e, 0, sizeof(float) * n);
+  double sum = 0.0;
+  for (const auto& [weight, column] : kept) {
+    e[column] = weight;
+    sum += weight;
+  }
+  return sum;
+}
+
+// A draw from softmax(scores * scale) restricted to the top-k / top-p set, with uniform u; that
+// distribution goes to probs[0, n).
+int64_t sample_scores(const float* scores, int64_t n, float scale, int64_t top_k, float top_p, double u, float* probs,
+                      std::vector<Weighted>& order) {
   const vec16 max = vset1(max_of(scores, n));
   double total = 0.0;  // e_j = exp((s_j - max) scale), 0 below e^-87; chunk sums in a fixed order
   for (int64_t j = 0; j < n; j += 16) {
@@ -98,6 +122,7 @@ int64_t sample_scores(const float* scores, int64_t n, float scale, double u, flo
     vstore_masked(probs + j, mask, e);
     total += vreduce_add(e);
   }
+  total = keep_nucleus(probs, n, total, top_k, top_p, order);
   const double target = u * total;
   double before = 0.0;
   int64_t chosen = -1, last_with_mass = 0;
@@ -125,15 +150,24 @@ int64_t sample_scores(const float* scores, int64_t n, float scale, double u, flo
   return chosen;
 }
 
+// A greedy row's draft in a sampled walk: the argmax, with a one-hot distribution on it.
+int64_t argmax_one_hot(const float* scores, int64_t n, float* probs) {
+  const int64_t chosen = argmax_scores(scores, n);
+  std::memset(probs, 0, sizeof(float) * n);
+  probs[chosen] = 1.0f;
+  return chosen;
+}
+
 template <typename T>
-void walk_row(const Walk& w, int64_t b, float* scores, float* embedding, bool bf16) {
+void walk_row(const Walk& w, int64_t b, float* scores, float* embedding, std::vector<Weighted>& order, bool bf16) {
   int64_t prev = w.anchors[b];
   for (int64_t k = 0; k < w.width; ++k) {
     slot_scores<T>(w, b, k, prev, embedding, scores, bf16);
     const int64_t slot = b * w.width + k;
-    const int64_t chosen = w.scale == nullptr
-        ? argmax_scores(scores, w.draft_vocab)
-        : sample_scores(scores, w.draft_vocab, w.scale[b], w.uniforms[slot], w.probs + slot * w.draft_vocab);
+    float* probs = w.scale == nullptr ? nullptr : w.probs + slot * w.draft_vocab;
+    const int64_t chosen = w.scale == nullptr ? argmax_scores(scores, w.draft_vocab)
+        : w.scale[b] == 0.0f ? argmax_one_hot(scores, w.draft_vocab, probs)
+        : sample_scores(scores, w.draft_vocab, w.scale[b], w.top_k[b], w.top_p[b], w.uniforms[slot], probs, order);
     prev = w.d2t != nullptr ? w.d2t[chosen] : chosen;
     w.tokens[slot] = prev;
   }
@@ -144,12 +178,13 @@ void run_walk(const Walk& walk, int bf16, int threads) {
 #pragma omp parallel num_threads(threads) if (work >= (int64_t(1) << 20))
   {
     std::vector<float> scores(walk.draft_vocab), embedding(walk.rank > 0 ? walk.rank : 1);
+    std::vector<Weighted> order;  // the nucleus's candidate columns (sampled rows with top-k / top-p)
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < walk.rows; ++b) {
       if (bf16)
-        walk_row<uint16_t>(walk, b, scores.data(), embedding.data(), true);
+        walk_row<uint16_t>(walk, b, scores.data(), embedding.data(), order, true);
       else
-        walk_row<float>(walk, b, scores.data(), embedding.data(), false);
+        walk_row<float>(walk, b, scores.data(), embedding.data(), order, false);
     }
   }
 }
@@ -166,22 +201,23 @@ void dspark_greedy_walk(const void* base, int64_t base_row_stride, int64_t base_
                         int64_t draft_vocab, int bf16, int64_t* tokens, float* confidences, int threads) {
   run_walk(Walk{base, base_row_stride, base_slot_stride, hidden, hidden_row_stride, hidden_slot_stride, hidden_size,
                 anchors, w1, w2, w2_vocab_stride, w2_rank_stride, rank, proj, proj_bias, proj_reads_markov, d2t, rows,
-                width, draft_vocab, tokens, confidences, nullptr, nullptr, nullptr},
+                width, draft_vocab, tokens, confidences, nullptr, nullptr, nullptr, nullptr, nullptr},
            bf16, threads);
 }
 
-// The greedy walk's arguments, then scale [rows] (1 / temperature), uniforms [rows, width] and
-// probs [rows, width, draft_vocab] (out).
+// The greedy walk's arguments, then scale [rows] (1 / temperature; 0: greedy), top_k [rows] (0:
+// off), top_p [rows] (1: off), uniforms [rows, width] and probs [rows, width, draft_vocab] (out).
 void dspark_sampled_walk(const void* base, int64_t base_row_stride, int64_t base_slot_stride, const void* hidden,
                          int64_t hidden_row_stride, int64_t hidden_slot_stride, int64_t hidden_size,
                          const int64_t* anchors, const void* w1, const void* w2, int64_t w2_vocab_stride,
                          int64_t w2_rank_stride, int64_t rank, const void* proj, float proj_bias,
                          int proj_reads_markov, const int64_t* d2t, int64_t rows, int64_t width,
                          int64_t draft_vocab, int bf16, int64_t* tokens, float* confidences, int threads,
-                         const float* scale, const double* uniforms, float* probs) {
+                         const float* scale, const int64_t* top_k, const float* top_p, const double* uniforms,
+                         float* probs) {
   run_walk(Walk{base, base_row_stride, base_slot_stride, hidden, hidden_row_stride, hidden_slot_stride, hidden_size,
                 anchors, w1, w2, w2_vocab_stride, w2_rank_stride, rank, proj, proj_bias, proj_reads_markov, d2t, rows,
-                width, draft_vocab, tokens, confidences, scale, uniforms, probs},
+                width, draft_vocab, tokens, confidences, scale, top_k, top_p, uniforms, probs},
            bf16, threads);
 }
 }

@@ -6,9 +6,13 @@ Markov bias, confidence head, add, argmax, draft -> target id): at batch 1 and 7
 forward has just pushed everything out of the caches. For greedy rows the kernel does the same
 arithmetic (float32 sums, rounded to bfloat16 where the drafter is bfloat16, as torch's linears
 round) after one torch GEMM for the block's base logits, so its drafts and confidences are the
-torch walk's. Rows sampled at a temperature alone (no top-k, no top-p) draw each slot from
-softmax(scores / T) with one uniform from the worker's generator, and the kernel writes that
-distribution over the draft vocabulary (p_d for rejection sampling); others keep the torch walk.
+torch walk's. Sampled rows draw each slot from softmax(scores / T), cut to the row's top-k /
+top-p set as `decoding.logits_to_probs` cuts it, with one uniform from the worker's generator, and
+the kernel writes that distribution over the draft vocabulary (p_d for rejection sampling); greedy
+rows in a sampled batch take their argmax (a one-hot distribution). Served at batch 1 the torch walk
+of a top-p request cost about what the kernel's does (1.7 ms: a trained drafter's distributions are
+peaked, so torch's nucleus resolves within its first partial sort); at batch 16 it cost 6.9 ms
+against 3.8 ms for the greedy kernel walk (session 29's T=0.7 / top-p 0.9 and greedy benchmarks).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from sglang_dspark.decoding.sampling import SamplingParams
 from sglang_dspark.decoding.verification import DraftBlock
 from sglang_dspark.kernels_cpu.build import load_library
 from sglang_dspark.kernels_cpu.gemm_layout import fastest_panel_rows
@@ -40,7 +45,7 @@ def load_draft_walk() -> ctypes.CDLL:
     c = ctypes
     return load_library(SOURCE, {
         "dspark_greedy_walk": WALK_ARGS,
-        "dspark_sampled_walk": WALK_ARGS + [c.c_void_p, c.c_void_p, c.c_void_p],
+        "dspark_sampled_walk": WALK_ARGS + [c.c_void_p] * 5,
     })
 
 
@@ -55,7 +60,8 @@ def kernel_walk_fits(drafter) -> bool:
 class KernelWalk:
     """Walks the blocks of one drafter (`kernel_walk_fits` must hold) in one call each:
     `greedy(hidden, anchors)` is `sample_block(drafter, hidden, anchors, <all greedy>)`;
-    `sampled(hidden, anchors, temperatures, generator)` is a temperature-only `sample_block`.
+    `sampled(hidden, anchors, params, generator)` is `sample_block` for any per-row temperature,
+    top-k and top-p (greedy rows included).
 
     The block's base logits go through 32-column panels of the drafter's lm_head where those beat
     the BLAS (`fastest_panel_rows`): 0.16 against 0.29-0.37 ms for 7 rows here. `head_panels=False`
@@ -84,17 +90,22 @@ class KernelWalk:
         tokens, confidences = self._walk(hidden, anchors)
         return DraftBlock(tokens=tokens, probs=None, confidence_logits=confidences)
 
-    def sampled(self, hidden: torch.Tensor, anchors: torch.Tensor, temperatures: torch.Tensor,
+    def sampled(self, hidden: torch.Tensor, anchors: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator | None) -> DraftBlock:
-        """Drafts drawn at `temperatures [B]` (> 0), with the distributions they were drawn from
-        over the draft vocabulary (`probs_vocab`: the drafter's d2t)."""
+        """Drafts drawn under `params` (one row each), with the distributions they were drawn from
+        over the draft vocabulary (`probs_vocab`: the drafter's d2t); greedy rows' are one-hot."""
         batch, width = hidden.shape[:2]
-        if temperatures.shape != (batch,) or not bool((temperatures > 0).all()):
-            raise ValueError(f"sampled walk: temperatures {temperatures.tolist()}, expected {batch} values > 0")
-        scale = (1.0 / temperatures.to(torch.float32)).contiguous()
+        if params.batch_size != batch:
+            raise ValueError(f"sampled walk: sampling parameters for {params.batch_size} rows, expected {batch}")
+        params = params.to("cpu")
+        temperatures = params.temperature.to(torch.float32)
+        scale = torch.where(params.greedy, torch.zeros_like(temperatures), 1.0 / temperatures).contiguous()
+        top_k = params.top_k.to(torch.int64).contiguous()
+        top_p = params.top_p.to(torch.float32).contiguous()
         uniforms = torch.rand(batch, width, dtype=torch.float64, generator=generator)
         probs = torch.empty(batch, width, self.drafter.config.draft_vocab_size, dtype=torch.float32)
-        tokens, confidences = self._walk(hidden, anchors, [scale.data_ptr(), uniforms.data_ptr(), probs.data_ptr()])
+        tokens, confidences = self._walk(hidden, anchors, [scale.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
+                                                           uniforms.data_ptr(), probs.data_ptr()])
         return DraftBlock(tokens=tokens, probs=probs, confidence_logits=confidences, probs_vocab=self.drafter.d2t)
 
     def _walk(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling: list | None = None):

@@ -1,0 +1,45 @@
+// The top-k / top-p set of one sampling distribution, as decoding.logits_to_probs keeps it: the
+// heaviest columns (ties by column) up to the k-th and up to the first whose mass before it passes
+// top_p of the whole distribution (so the heaviest always stays). Shared by the draft walk and the
+// target's sampling kernel.
+//
+// Only the heaviest columns are sorted: those with at least `floor` of the largest weight (weights
+// are exp((s - max) / T), so the largest is 1), the floor lowered until the set ends among them,
+// since every column below the floor is lighter than every column above it. A language model's
+// nucleus usually ends within the first floor (1e-3): a few dozen columns sorted, not 49,152.
+#pragma once
+
+#include <stdint.h>
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+#include <vector>
+
+using Weighted = std::pair<float, int64_t>;  // (weight, column)
+
+// Fills `heavy` with the kept set, heaviest first; returns false for a distribution without top-k
+// or top-p (every column kept, `heavy` untouched). `collect(floor, heavy)` appends every column
+// whose weight is positive and at least `floor`; `total` is the sum of all weights.
+template <typename Collect>
+bool nucleus(int64_t cols, int64_t top_k, float top_p, double total, std::vector<Weighted>& heavy, Collect collect) {
+  const bool use_k = top_k > 0 && top_k < cols, use_p = top_p < 1.0f;
+  if (!use_k && !use_p) return false;
+  const int64_t rank_limit = use_k ? top_k : cols;
+  const double mass_limit = use_p ? static_cast<double>(top_p) * total : INFINITY;
+  for (float floor = 1e-3f;; floor = floor > 1e-9f ? floor * 1e-3f : 0.0f) {
+    heavy.clear();
+    collect(floor, heavy);
+    std::sort(heavy.begin(), heavy.end(), [](const Weighted& a, const Weighted& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
+    const int64_t candidates = static_cast<int64_t>(heavy.size());
+    double before = 0.0;
+    int64_t kept = 0;
+    for (; kept < candidates && kept < rank_limit && before <= mass_limit; ++kept) before += heavy[kept].first;
+    if (kept < candidates || kept >= rank_limit || floor == 0.0f) {  // the set ends here
+      heavy.resize(kept);
+      return true;
+    }
+  }
+}
