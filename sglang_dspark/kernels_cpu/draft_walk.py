@@ -9,10 +9,11 @@ round) after one torch GEMM for the block's base logits, so its drafts and confi
 torch walk's. Sampled rows draw each slot from softmax(scores / T), cut to the row's top-k /
 top-p set as `decoding.logits_to_probs` cuts it, with one uniform from the worker's generator, and
 the kernel writes that distribution over the draft vocabulary (p_d for rejection sampling); greedy
-rows in a sampled batch take their argmax (a one-hot distribution). Served at batch 1 the torch walk
-of a top-p request cost about what the kernel's does (1.7 ms: a trained drafter's distributions are
-peaked, so torch's nucleus resolves within its first partial sort); at batch 16 it cost 6.9 ms
-against 3.8 ms for the greedy kernel walk (session 29's T=0.7 / top-p 0.9 and greedy benchmarks).
+rows in a sampled batch take their argmax (a one-hot distribution). Served, the torch walk of
+top-p rows cost about what the kernel's does (session 30, T=0.7 / top-p 0.9: 2.4 / 3.5 ms against
+2.2 / 4.0 ms at batch 4 / 16: a trained drafter's distributions are peaked, so torch's nucleus
+resolves in its first partial sort); on flat ones the kernel is far cheaper (random hidden states,
+batch 16: 25 ms against 8 ms), and mixed or top-k / top-p batches no longer take another path.
 """
 
 from __future__ import annotations

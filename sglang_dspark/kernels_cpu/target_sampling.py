@@ -7,10 +7,11 @@ project's CPU, for what needs one pass per row (its max and normaliser), a proba
 there (acceptance) and one inverse CDF per request (the bonus or correction token). A row with
 top-k or top-p also needs its kept set: the kernel sorts only the columns within a factor 1,000 of
 the heaviest (widening when the set reaches past them) and keeps the set as a cut, so the readers
-stay one pass. Torch's path softmaxed and partially sorted 256-4,096 columns of every such row:
-at batch 16 and top-p 0.9 a step spent ~28 ms after its verify forward, against ~8 ms at T=1 with
-this kernel (session 29's benchmarks); 80 rows of SmolLM2 logits at T=0.7 / top-p 0.9 took 42 ms
-there against 4.1 ms here (random hidden states, flatter than served ones).
+stay one pass. Torch's path softmaxes every such row and partially sorts 256-4,096 of its columns:
+served, SmolLM2's distributions are peaked and it resolved in its first sort (session 30, T=0.7 /
+top-p 0.9, batch 16: 9.5 ms a step after the verify forward with torch's path, 9.7 with this
+kernel), but on flat rows it costs far more (80 rows of logits from random hidden states: 42 ms
+against 4.1 ms here), and every sampled row now takes one path.
 """
 
 from __future__ import annotations
