@@ -50,7 +50,7 @@ from sglang_dspark.kernels_cpu.layer_hooks import kernels_enabled as layer_kerne
 from sglang_dspark.kernels_cpu.layer_ops import load_layer_ops, row_argmax
 from sglang_dspark.kernels_cpu.gemm_layout import add_linear_panels, gemm_layout_mode, relayout_linears
 from sglang_dspark.kernels_cpu.panel_gemm import PanelKernelUnavailable
-from sglang_dspark.kernels_cpu.target_sampling import load_target_sampling, kernel_sampler
+from sglang_dspark.kernels_cpu.target_sampling import kernel_sampler, load_target_sampling
 from sglang_dspark.model import DraftContextCache, TargetWeights, load_drafter
 from sglang_dspark.model.cache import packed_rows
 from sglang_dspark.runtime import cpu_has_native_bf16
