@@ -37,7 +37,7 @@ def train_command(
     layers: int = typer.Option(1, "--layers", help="Drafter transformer layers."),
     block_size: int = typer.Option(7, "--block-size", help="gamma: drafts per block."),
     twin_out: Optional[str] = typer.Option(None, "--twin-out", help="Also train the DFlash twin (rank 0, no confidence head) here, on the same batches."),
-    init_from: Optional[str] = typer.Option(None, "--init-from", help="Start a fresh run from this trained drafter folder (its weights and vocabulary; --layers may add identity-initialised layers)."),
+    init_from: Optional[str] = typer.Option(None, "--init-from", help="Start a fresh run from this trained drafter folder (its weights and vocabulary; --layers may add identity-initialised layers, and a larger --markov-rank widens a vanilla Markov head with columns that add nothing at first)."),
     reselect_vocab: bool = typer.Option(False, "--reselect-vocab", help="With --init-from: choose the draft vocabulary afresh from --cache (--draft-vocab tokens) instead of keeping the source's; the tokens both share keep their trained Markov rows."),
     twin_init_from: Optional[str] = typer.Option(None, "--twin-init-from", help="The same for the twin."),
     steps: int = typer.Option(1000, "--steps", help="Total optimizer steps (a resumed run continues towards it)."),

@@ -141,6 +141,25 @@ def test_a_grown_drafter_starts_where_its_source_stopped(tmp_path):
     assert shipped.config.num_hidden_layers == 2 and torch.equal(shipped.d2t, source_d2t)
 
 
+def test_a_wider_markov_head_starts_where_its_source_stopped_and_then_learns(tmp_path):
+    """Rank 8 -> 16: the same holdout loss at step 0 (new W2 and confidence columns are zero), and
+    the new columns move once trained."""
+    target_dir, cache = _tiny_setup(tmp_path)
+    source = DrafterSpec(out=str(tmp_path / "rank8"), markov_rank=8)
+    train_drafters(cache, target_dir, [source], _settings(20), progress=False)
+    checkpoint = f"{source.out}/checkpoint"
+    kept = _holdout_loss_at_first_step(DrafterSpec(out=str(tmp_path / "same"), markov_rank=8,
+                                                   init_from=checkpoint), cache, target_dir, layers=1)
+    wide = _holdout_loss_at_first_step(DrafterSpec(out=str(tmp_path / "wide"), markov_rank=16,
+                                                   init_from=checkpoint), cache, target_dir, layers=1)
+    assert wide == pytest.approx(kept, rel=1e-5), (kept, wide)
+    trained = DrafterSpec(out=str(tmp_path / "wide-trained"), markov_rank=16, init_from=checkpoint)
+    train_drafters(cache, target_dir, [trained], _settings(5), progress=False)
+    drafter = load_drafter(trained.out, target=make_tiny_target(seed=0, initializer_range=PEAKED_INIT_STD))
+    assert drafter.markov_head.rank == 16
+    assert float(drafter.markov_head.markov_w2.weight.detach()[:, 8:].abs().sum()) > 0, "the new rank never learnt"
+
+
 def test_growing_refuses_a_source_with_other_heads(tmp_path):
     target_dir, cache = _tiny_setup(tmp_path, num_seqs=8)
     source = DrafterSpec(out=str(tmp_path / "rank8"), markov_rank=8)

@@ -522,13 +522,15 @@ def _init_d2t(specs: list[DrafterSpec]) -> torch.Tensor | None:
 
 
 def grow_from(drafter: DSparkDrafter, source: Path) -> None:
-    """Start ``drafter`` from a trained one with as many or fewer layers.
+    """Start ``drafter`` from a trained one with as many or fewer layers (and as large or a
+    smaller vanilla Markov rank).
 
     Every tensor of the source is copied; each extra layer starts as the identity (its attention
-    output and MLP down projections are zero, so the residual passes through), so the grown
-    drafter drafts exactly like the source at step 0 and training only adds to it. A drafter
-    with another draft vocabulary (``reselect_vocab``) takes the source's per-draft-token rows
-    for the tokens both share (``_carry_vocab_rows``); its new tokens start with no Markov bias.
+    output and MLP down projections are zero, so the residual passes through), and extra Markov
+    rank adds nothing at first (``_widen_markov_rank``), so the grown drafter drafts exactly like
+    the source at step 0 and training only adds to it. A drafter with another draft vocabulary
+    (``reselect_vocab``) takes the source's per-draft-token rows for the tokens both share
+    (``_carry_vocab_rows``); its new tokens start with no Markov bias.
     """
     from safetensors.torch import load_file
 
@@ -537,12 +539,13 @@ def grow_from(drafter: DSparkDrafter, source: Path) -> None:
     if drafter.d2t is not None and source_d2t is not None and not torch.equal(source_d2t, drafter.d2t.cpu()):
         _carry_vocab_rows(tensors, source_d2t.long(), drafter.d2t.cpu(), drafter.config.vocab_size)
     own = drafter.state_dict()
+    _widen_markov_rank(tensors, own)
     unknown = sorted(set(tensors) - set(own))
     mismatched = sorted(k for k in tensors if k in own and tensors[k].shape != own[k].shape)
     if unknown or mismatched:
         raise ValueError(f"{source}: cannot start this drafter from it: tensors it lacks {unknown}, "
                          f"tensors of another shape {mismatched}; --init-from keeps the heads and "
-                         "the taps of the source and may only add layers")
+                         "the taps of the source and may only add layers or widen a vanilla Markov head")
     missing = drafter.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False).missing_keys
     added = {k.split(".")[1] for k in missing if k.startswith("layers.")}
     if any(not k.startswith("layers.") for k in missing):
@@ -552,6 +555,31 @@ def grow_from(drafter: DSparkDrafter, source: Path) -> None:
             layer = drafter.layers[int(index)]
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
+
+
+MARKOV_W1, MARKOV_W2 = "markov_head.markov_w1.weight", "markov_head.markov_w2.weight"
+CONFIDENCE_PROJ = "confidence_head.proj.weight"
+
+
+def _widen_markov_rank(tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> None:
+    """A vanilla Markov head of a larger rank than the source's: the source's columns first, then
+    the drafter's own random W1 columns (so W2's new columns get gradients) beside zero W2 columns
+    and zero Markov columns of the confidence head (so neither the bias nor the confidence moves
+    at step 0). The paper's rank is 256; the shipped drafters' 32."""
+    if MARKOV_W1 not in tensors or MARKOV_W1 not in own or any(k.startswith("markov_head.") and k not in
+                                                                 (MARKOV_W1, MARKOV_W2) for k in tensors):
+        return  # no head, or a gated / RNN one (their gate and joint projections read the rank too)
+    source_rank, rank = tensors[MARKOV_W1].shape[1], own[MARKOV_W1].shape[1]
+    if rank <= source_rank:
+        return  # the same rank, or a narrower one (refused as a shape mismatch)
+    extra = rank - source_rank
+    tensors[MARKOV_W1] = torch.cat([tensors[MARKOV_W1].float(), own[MARKOV_W1][:, source_rank:].float()], dim=1)
+    tensors[MARKOV_W2] = torch.cat([tensors[MARKOV_W2].float(), tensors[MARKOV_W2].new_zeros(
+        tensors[MARKOV_W2].shape[0], extra).float()], dim=1)
+    if CONFIDENCE_PROJ in tensors and CONFIDENCE_PROJ in own and tensors[CONFIDENCE_PROJ].shape[1] + extra == \
+            own[CONFIDENCE_PROJ].shape[1]:  # the head reads [h ; W1[x]]: the new rank's columns come last
+        proj = tensors[CONFIDENCE_PROJ].float()
+        tensors[CONFIDENCE_PROJ] = torch.cat([proj, proj.new_zeros(proj.shape[0], extra)], dim=1)
 
 
 # the tensors whose rows are draft-vocabulary ids (everything else is vocabulary-free or indexed
