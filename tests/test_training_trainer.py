@@ -124,13 +124,20 @@ def _holdout_loss_at_first_step(spec: DrafterSpec, cache, target_dir, layers: in
     return json.loads(open(f"{spec.out}/train_log.jsonl").readline())["holdout_loss"]
 
 
-def test_a_grown_drafter_starts_where_its_source_stopped(tmp_path):
+def _trained_rank8_source(tmp_path):
+    """A 1-layer rank-8 drafter trained 20 steps: the cache, target, its checkpoint, and the
+    holdout loss a run started from it has at step 0 with the same shape."""
     target_dir, cache = _tiny_setup(tmp_path)
     source = DrafterSpec(out=str(tmp_path / "one-layer"), markov_rank=8)
     train_drafters(cache, target_dir, [source], _settings(20), progress=False)
     checkpoint = f"{source.out}/checkpoint"
     kept = _holdout_loss_at_first_step(DrafterSpec(out=str(tmp_path / "same"), markov_rank=8,
                                                    init_from=checkpoint), cache, target_dir, layers=1)
+    return target_dir, cache, source, checkpoint, kept
+
+
+def test_a_grown_drafter_starts_where_its_source_stopped(tmp_path):
+    target_dir, cache, source, checkpoint, kept = _trained_rank8_source(tmp_path)
     grown = _holdout_loss_at_first_step(DrafterSpec(out=str(tmp_path / "grown"), markov_rank=8,
                                                     init_from=checkpoint), cache, target_dir, layers=2)
     fresh = _holdout_loss_at_first_step(DrafterSpec(out=str(tmp_path / "fresh2"), markov_rank=8),
@@ -144,12 +151,7 @@ def test_a_grown_drafter_starts_where_its_source_stopped(tmp_path):
 def test_a_wider_markov_head_starts_where_its_source_stopped_and_then_learns(tmp_path):
     """Rank 8 -> 16: the same holdout loss at step 0 (new W2 and confidence columns are zero), and
     the new columns move once trained."""
-    target_dir, cache = _tiny_setup(tmp_path)
-    source = DrafterSpec(out=str(tmp_path / "rank8"), markov_rank=8)
-    train_drafters(cache, target_dir, [source], _settings(20), progress=False)
-    checkpoint = f"{source.out}/checkpoint"
-    kept = _holdout_loss_at_first_step(DrafterSpec(out=str(tmp_path / "same"), markov_rank=8,
-                                                   init_from=checkpoint), cache, target_dir, layers=1)
+    target_dir, cache, _, checkpoint, kept = _trained_rank8_source(tmp_path)
     wide = _holdout_loss_at_first_step(DrafterSpec(out=str(tmp_path / "wide"), markov_rank=16,
                                                    init_from=checkpoint), cache, target_dir, layers=1)
     assert wide == pytest.approx(kept, rel=1e-5), (kept, wide)
