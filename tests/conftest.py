@@ -20,8 +20,9 @@ SERVER_FLAVOURS = {
     # name: (extra launch_server arguments, extra environment)
     "baseline": ([], {}),
     # verify every draft: uniform windows, overlap scheduling on; prompts over 48 tokens are
-    # prefilled in chunks, so the drafter context is seeded chunk by chunk
-    "dspark_overlap": (["--speculative-algorithm", "DSPARK_LIVE", "--chunked-prefill-size", "48"], {}),
+    # prefilled in chunks, so the drafter context is seeded chunk by chunk; every step drafts
+    "dspark_overlap": (["--speculative-algorithm", "DSPARK_LIVE", "--chunked-prefill-size", "48"],
+                       {"DSPARK_STEP_LOG": "{log_dir}/dspark_overlap-steps.jsonl"}),
     # the production planner (any cost table will do: it only has to make windows ragged),
     # overlap scheduling off
     "dspark_sync": (["--speculative-algorithm", "DSPARK_LIVE", "--disable-overlap-schedule"],
