@@ -18,13 +18,16 @@
 
 using Weighted = std::pair<float, int64_t>;  // (weight, column)
 
+// Whether top-k / top-p cut anything from a distribution over `cols` columns.
+inline bool cuts(int64_t cols, int64_t top_k, float top_p) { return (top_k > 0 && top_k < cols) || top_p < 1.0f; }
+
 // Fills `heavy` with the kept set, heaviest first; returns false for a distribution without top-k
 // or top-p (every column kept, `heavy` untouched). `collect(floor, heavy)` appends every column
 // whose weight is positive and at least `floor`; `total` is the sum of all weights.
 template <typename Collect>
 bool nucleus(int64_t cols, int64_t top_k, float top_p, double total, std::vector<Weighted>& heavy, Collect collect) {
+  if (!cuts(cols, top_k, top_p)) return false;
   const bool use_k = top_k > 0 && top_k < cols, use_p = top_p < 1.0f;
-  if (!use_k && !use_p) return false;
   const int64_t rank_limit = use_k ? top_k : cols;
   const double mass_limit = use_p ? static_cast<double>(top_p) * total : INFINITY;
   for (float floor = 1e-3f;; floor = floor > 1e-9f ? floor * 1e-3f : 0.0f) {

@@ -55,7 +55,7 @@ double kept_total(const float* row, int64_t cols, float max, float scale, Cut cu
 // The row's top-k / top-p cut (nucleus.h), or Cut{-1} without top-k / top-p.
 Cut nucleus_cut(const float* row, int64_t cols, float max, float scale, int64_t top_k, float top_p,
                 std::vector<Weighted>& heavy) {
-  if (!(top_k > 0 && top_k < cols) && !(top_p < 1.0f)) return Cut{-1.0f, cols};
+  if (!cuts(cols, top_k, top_p)) return Cut{-1.0f, cols};  // (no pass for a total it would not use)
   const double total = kept_total(row, cols, max, scale, Cut{-1.0f, cols});
   nucleus(cols, top_k, top_p, total, heavy, [&](float floor, std::vector<Weighted>& found) {
     alignas(64) float lanes[kLanes];

@@ -574,8 +574,8 @@ def _widen_markov_rank(tensors: dict[str, torch.Tensor], own: dict[str, torch.Te
         return  # the same rank, or a narrower one (refused as a shape mismatch)
     extra = rank - source_rank
     tensors[MARKOV_W1] = torch.cat([tensors[MARKOV_W1].float(), own[MARKOV_W1][:, source_rank:].float()], dim=1)
-    tensors[MARKOV_W2] = torch.cat([tensors[MARKOV_W2].float(), tensors[MARKOV_W2].new_zeros(
-        tensors[MARKOV_W2].shape[0], extra).float()], dim=1)
+    w2 = tensors[MARKOV_W2].float()
+    tensors[MARKOV_W2] = torch.cat([w2, w2.new_zeros(w2.shape[0], extra)], dim=1)
     if CONFIDENCE_PROJ in tensors and CONFIDENCE_PROJ in own and tensors[CONFIDENCE_PROJ].shape[1] + extra == \
             own[CONFIDENCE_PROJ].shape[1]:  # the head reads [h ; W1[x]]: the new rank's columns come last
         proj = tensors[CONFIDENCE_PROJ].float()
