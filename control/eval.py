@@ -48,8 +48,9 @@ def eval_command(
         typer.echo(json.dumps(report))
         return
     for name, result in report["drafters"].items():
-        taus = ", ".join(f"{d} {s['tau']:.2f}" for d, s in result["domains"].items())
-        typer.echo(f"{name}: macro tau {result['macro_tau']:.3f} ({taus}); draft share {result['draft_time_share']:.2f}")
+        taus = ", ".join(f"{d} {s['tau']:.2f} ± {s['tau_se']:.2f}" for d, s in result["domains"].items())
+        typer.echo(f"{name}: macro tau {result['macro_tau']:.3f} ± {result['macro_tau_se']:.3f} ({taus}); "
+                   f"draft share {result['draft_time_share']:.2f}")
         if "ece_sts" in result:
             ece = " ".join(f"{value:.3f}" for value in result["ece_sts"])
             floor = " ".join(f"{value:.3f}" for value in result["ece_floor_sts"])

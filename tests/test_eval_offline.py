@@ -1,6 +1,7 @@
 """The offline evaluator: tau and curves are exactly what its own per-round records say."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from sglang_dspark.calibration.sts import StsCalibration
 from sglang_dspark.scheduling.traces import FileTraces
 from sglang_dspark.training.evaluate import (
-    position_stats, read_traces, run_rounds, summarize, tau, write_outputs,
+    RoundRecord, position_stats, read_traces, run_rounds, summarize, tau, tau_standard_error, write_outputs,
 )
 from tests.tiny import make_tiny_drafter, make_tiny_target
 
@@ -46,6 +47,28 @@ def test_tau_equals_the_records_and_survives_the_trace_file(tmp_path):
     assert (tmp_path / "conditional_acceptance.png").stat().st_size > 1000
     FileTraces(tmp_path / "rounds-dspark.jsonl")  # the simulator accepts our traces
     assert 0.0 < timing["draft_time_share"] < 1.0
+
+
+def test_tau_error_counts_prompts_not_rounds():
+    """Rounds of one prompt move together: the error is the ratio estimator's over prompts."""
+    def prompt(name, accepted):
+        return [RoundRecord("d", "math", name, i, 4, a, None) for i, a in enumerate(accepted)]
+
+    easy, hard = prompt("easy", [3, 3, 3, 3]), prompt("hard", [0, 0])
+    records = easy + hard
+    mean = tau(records)  # (16 + 2) / 6 = 3
+    by_hand = math.sqrt(2 / 1 * ((16 - mean * 4) ** 2 + (2 - mean * 2) ** 2)) / 6
+    assert tau_standard_error(records) == pytest.approx(by_hand)
+    # twice the rounds of the same two prompts: no more certain, since there are still two prompts
+    assert tau_standard_error(records + records) == pytest.approx(by_hand)
+    # the same rounds spread over many prompts that all look alike: far more certain
+    spread = [RoundRecord("d", "math", f"p{i}", 0, 4, r.accepted_length, None) for i, r in enumerate(records)]
+    assert tau_standard_error(spread) < by_hand / 2
+    assert math.isnan(tau_standard_error(easy))  # one prompt: no spread to measure
+    summary = summarize(records + [RoundRecord("d", "chat", "c", 0, 4, 1, None)] * 2
+                        + [RoundRecord("d", "chat", "c2", 0, 4, 2, None)], 4, None)
+    chat_se = summary["domains"]["chat"]["tau_se"]
+    assert summary["macro_tau_se"] == pytest.approx(math.sqrt(by_hand ** 2 + chat_se ** 2) / 2)
 
 
 def test_position_stats_follow_the_definitions():

@@ -20,6 +20,7 @@ Trace lines follow the simulator's schema (docs/interfaces.md): ``domain``,
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -103,6 +104,26 @@ def tau(records: list[RoundRecord]) -> float:
     return sum(r.accepted_length + 1 for r in records) / len(records)
 
 
+def tau_standard_error(records: list[RoundRecord]) -> float:
+    """Standard error of ``tau`` with the rounds clustered by prompt.
+
+    A prompt's rounds are not independent draws (an easy prompt is easy all the way), so the
+    error is that of the ratio estimator over prompts, sum(a_i) / sum(n_i) with a_i the tokens
+    and n_i the rounds of prompt i: the honest yardstick for two drafters' taus on 16 prompts a
+    domain. NaN with fewer than two prompts."""
+    per_prompt: dict[str, list[int]] = {}
+    for r in records:
+        tokens_rounds = per_prompt.setdefault(r.prompt_id, [0, 0])
+        tokens_rounds[0] += r.accepted_length + 1
+        tokens_rounds[1] += 1
+    count = len(per_prompt)
+    if count < 2:
+        return float("nan")
+    mean = tau(records)
+    squares = sum((tokens - mean * rounds) ** 2 for tokens, rounds in per_prompt.values())
+    return math.sqrt(count / (count - 1) * squares) / len(records)
+
+
 def position_stats(records: list[RoundRecord], gamma: int) -> dict:
     """Prefix survival and conditional acceptance per position 1..gamma.
 
@@ -176,11 +197,14 @@ def summarize(records: list[RoundRecord], gamma: int, calibration: StsCalibratio
     per_domain = {}
     for domain in domains:
         subset = [r for r in records if r.domain == domain]
-        per_domain[domain] = {"tau": tau(subset), "rounds": len(subset), **position_stats(subset, gamma)}
+        per_domain[domain] = {"tau": tau(subset), "tau_se": tau_standard_error(subset), "rounds": len(subset),
+                              **position_stats(subset, gamma)}
         ece = ece_report(subset, calibration)
         if ece is not None:
             per_domain[domain].update(ece)
     summary = {"domains": per_domain, "macro_tau": statistics.fmean(d["tau"] for d in per_domain.values()),
+               # the domains' prompts are disjoint, so their errors add in quadrature
+               "macro_tau_se": math.sqrt(sum(d["tau_se"] ** 2 for d in per_domain.values())) / len(per_domain),
                "tau_all_rounds": tau(records), **position_stats(records, gamma)}
     ece = ece_report(records, calibration)
     if ece is not None:
