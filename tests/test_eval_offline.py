@@ -72,8 +72,6 @@ def test_tau_error_counts_prompts_not_rounds():
 
 
 def test_position_stats_follow_the_definitions():
-    from sglang_dspark.training.evaluate import RoundRecord
-
     def rec(accepted, verified=3):
         return RoundRecord("d", "chat", "p", 0, verified, accepted, None)
 

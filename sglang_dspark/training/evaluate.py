@@ -119,7 +119,7 @@ def tau_standard_error(records: list[RoundRecord]) -> float:
     count = len(per_prompt)
     if count < 2:
         return float("nan")
-    mean = tau(records)
+    mean = sum(tokens for tokens, _ in per_prompt.values()) / len(records)
     squares = sum((tokens - mean * rounds) ** 2 for tokens, rounds in per_prompt.values())
     return math.sqrt(count / (count - 1) * squares) / len(records)
 

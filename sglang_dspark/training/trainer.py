@@ -522,8 +522,8 @@ def _init_d2t(specs: list[DrafterSpec]) -> torch.Tensor | None:
 
 
 def grow_from(drafter: DSparkDrafter, source: Path) -> None:
-    """Start ``drafter`` from a trained one with as many or fewer layers (and as large or a
-    smaller vanilla Markov rank).
+    """Start ``drafter`` from a trained one with as many or fewer layers and, for a vanilla Markov
+    head, as large or a smaller rank.
 
     Every tensor of the source is copied; each extra layer starts as the identity (its attention
     output and MLP down projections are zero, so the residual passes through), and extra Markov
