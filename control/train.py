@@ -113,6 +113,7 @@ def generate_command(
     threads: Optional[int] = typer.Option(None, "--threads"),
     server: Optional[str] = typer.Option(None, "--server", help="Generate through this running SGLang server of the target (e.g. http://127.0.0.1:30000; `dspark-ctl serve --no-speculation`): continuous batching, ~5x the tokens/s of the in-process path on this CPU. --target then only names the tokenizer; --seed, --batch-size and --threads do not apply."),
     concurrency: int = typer.Option(32, "--concurrency", help="Requests in flight with --server (at most the server's --max-running-requests is useful)."),
+    skip_answered: List[str] = typer.Option([], "--skip-answered", help="Answer files (.jsonl or .jsonl.gz, repeatable) whose prompts are not sent again, matched by their token ids (with --server)."),
 ) -> None:
     """Answer training prompts with the target itself: in process (batched fp32 sampling on the
     bf16 weights) or through a running SGLang server (--server)."""
@@ -123,11 +124,15 @@ def generate_command(
         try:
             summary = generate_responses_via_server(server, _target_or_default(target), Path(prompts), Path(out),
                                                     max_new_tokens=max_new_tokens, concurrency=concurrency,
-                                                    temperature=temperature, top_p=top_p, time_budget_s=budget)
-        except (ConnectionError, RuntimeError) as error:
+                                                    temperature=temperature, top_p=top_p, time_budget_s=budget,
+                                                    skip_answered=[Path(path) for path in skip_answered])
+        except (OSError, RuntimeError) as error:  # no server, a missing --skip-answered file, a refused prompt
             typer.echo(f"error: {error}", err=True)
             raise typer.Exit(code=2) from error
     else:
+        if skip_answered:
+            typer.echo("error: --skip-answered works with --server only", err=True)
+            raise typer.Exit(code=2)
         from sglang_dspark.training.data import generate_responses
 
         summary = generate_responses(_target_or_default(target), Path(prompts), Path(out),

@@ -1,4 +1,4 @@
-"""Training prompts: the code domain's method prompts extend the train split without moving a prompt."""
+"""Training prompts: code's method prompts and chat's later turns extend the train split without moving a prompt."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import random
 import pytest
 
 from sglang_dspark.training.data import (
+    chat_prompts,
     domain_prompts,
     frozen_held_out,
     human_eval_prompts,
@@ -56,3 +57,17 @@ def test_method_prompts_ask_for_a_documented_method_and_carry_its_source(code_do
         assert cls.body[0].name == name and ast.get_docstring(cls.body[0])
         source = reference.removeprefix("```python\n").removesuffix("\n```")
         assert ast.parse(source).body[0].name == name  # the method on its own, dedented
+
+
+def test_chat_later_turns_come_after_the_opening_turns_in_their_old_order():
+    """Shipped answer files were generated for `train-chat-N` ids of opening turns; the later
+    turns only add prompts after them, never one of the frozen held-out ones."""
+    prompts, notes = domain_prompts("chat", seed=0)
+    openers = list(dict.fromkeys(prompt for prompt, _ in chat_prompts()))
+    random.Random("0-chat").shuffle(openers)
+    assert prompts[: len(openers)] == openers
+    held = frozen_held_out()
+    assert prompts[:64] == held["eval"]["chat"] and prompts[64:128] == held["calibration"]["chat"]
+    later = prompts[len(openers):]
+    assert len(later) > 10 * len(openers) and not set(later) & set(openers)
+    assert sum(bool(notes["references"].get(prompt)) for prompt in later) > 0.9 * len(later)  # the reply turn

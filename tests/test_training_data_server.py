@@ -52,6 +52,16 @@ def test_server_answers_are_the_targets_and_a_rerun_only_answers_new_prompts(bas
     packed.write_bytes(gzip.compress(out.read_bytes()))
     assert read_responses(packed) == read_responses(out)  # how drafters/data/ keeps them
 
+    # a new split names the same prompts by other ids: the answered ones are matched by token ids
+    renamed, fresh = tmp_path / "renamed.jsonl", tmp_path / "fresh.jsonl"
+    with open(renamed, "w") as handle:
+        for index, prompt in enumerate([*PROMPTS, "Name three rivers."]):
+            handle.write(json.dumps({"id": f"train-chat-{100 + index}", "domain": "chat", "prompt": prompt}) + "\n")
+    summary = generate_responses_via_server(baseline_server.url, str(target), renamed, fresh, max_new_tokens=12,
+                                            concurrency=2, temperature=0.0, skip_answered=[packed])
+    assert summary["responses"] == 1
+    assert [record["prompt_ids"] for record in read_responses(fresh)] == [chat_ids(tokenizer, "Name three rivers.")]
+
 
 def test_generate_names_the_url_when_no_server_answers(tiny_serving_models, tmp_path):
     target, _ = tiny_serving_models
@@ -61,4 +71,16 @@ def test_generate_names_the_url_when_no_server_answers(tiny_serving_models, tmp_
                                       "--prompts", str(prompts), "--out", str(out)])
     assert result.exit_code == 2
     assert "no SGLang server answers at http://127.0.0.1:9" in result.output
+    assert not out.exists()
+
+
+def test_generate_names_a_missing_skip_answered_file(tiny_serving_models, tmp_path):
+    target, _ = tiny_serving_models
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "answers.jsonl"
+    _write_prompts(prompts, PROMPTS)
+    result = CliRunner().invoke(app, ["data", "generate", "--server", "http://127.0.0.1:9", "--target", str(target),
+                                      "--prompts", str(prompts), "--out", str(out),
+                                      "--skip-answered", str(tmp_path / "gone.jsonl.gz")])
+    assert result.exit_code == 2
+    assert f"no answer file at {tmp_path / 'gone.jsonl.gz'}" in result.output
     assert not out.exists()

