@@ -203,38 +203,32 @@ def _docstring(text: str) -> str:
     return f'"""{text}"""'
 
 
-def chat_prompts() -> list[tuple[str, str]]:
-    """The opening turn (all messages of the first sender) of each chitchat conversation, with
-    the second turn (the human reply) as a reference answer ("" when there is none)."""
+def _chitchat_turns() -> Iterator[list[str]]:
+    """Each chitchat conversation (in key order) as its turns' texts, a turn being all the
+    consecutive messages of one sender."""
     spec = importlib.util.find_spec("chitchat_dataset")
     path = Path(list(spec.submodule_search_locations)[0]) / "dataset.json"
     conversations = json.loads(path.read_text())
-    prompts = []
     for key in sorted(conversations):
-        turns = conversations[key].get("messages") or []
-        if not turns:
-            continue
-        text = " ".join(message["text"].strip() for message in turns[0]).strip()
-        reply = " ".join(m["text"].strip() for m in turns[1]).strip() if len(turns) > 1 else ""
-        if len(text) >= 8:
-            prompts.append((text, reply))
-    return prompts
+        yield [" ".join(m["text"].strip() for m in turn).strip() for turn in conversations[key].get("messages") or []]
+
+
+def _turn_and_reply(turns: list[str], index: int) -> tuple[str, str]:
+    return turns[index], turns[index + 1] if index + 1 < len(turns) else ""
+
+
+def chat_prompts() -> list[tuple[str, str]]:
+    """The opening turn of each chitchat conversation, with the second turn (the human reply) as
+    a reference answer ("" when there is none)."""
+    return [_turn_and_reply(turns, 0) for turns in _chitchat_turns() if turns and len(turns[0]) >= 8]
 
 
 def chat_later_turn_prompts() -> list[tuple[str, str]]:
     """Every later turn (the third on) of each chitchat conversation as a message on its own,
-    with the turn after it as the reference: ~20x the opening turns, from the same people in the
+    with the turn after it as the reference: ~25x the opening turns, from the same people in the
     same register, once the openers are all answered."""
-    spec = importlib.util.find_spec("chitchat_dataset")
-    path = Path(list(spec.submodule_search_locations)[0]) / "dataset.json"
-    conversations = json.loads(path.read_text())
-    prompts = []
-    for key in sorted(conversations):
-        turns = [" ".join(m["text"].strip() for m in turn).strip() for turn in conversations[key].get("messages") or []]
-        for index in range(2, len(turns)):
-            if len(turns[index]) >= 8:
-                prompts.append((turns[index], turns[index + 1] if index + 1 < len(turns) else ""))
-    return prompts
+    return [_turn_and_reply(turns, index) for turns in _chitchat_turns()
+            for index in range(2, len(turns)) if len(turns[index]) >= 8]
 
 
 def domain_prompts(domain: str, seed: int, math_count: int = 12000) -> tuple[list[str], dict]:
