@@ -241,7 +241,7 @@ def domain_prompts(domain: str, seed: int, math_count: int = 12000) -> tuple[lis
     earlier prompt: the frozen held-out splits and the train ids the shipped answer files were
     generated from (``train-code-N``, ``train-chat-N``) still name the same prompts. Math's
     questions differ from process to process (see :func:`frozen_held_out`), so ``train-math-N``
-    names no fixed prompt; ``generate --skip-answered`` matches answered prompts by their ids.
+    names no fixed prompt; ``generate --skip-answered`` matches answered prompts by token ids.
     """
     notes: dict = {}
     pairs: list[tuple[str, str]]
@@ -511,14 +511,15 @@ def generate_responses_via_server(
     import httpx
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    done = {record["id"] for record in _read_lines(out_file)}
     missing = [str(path) for path in skip_answered if not Path(path).exists()]
     if missing:
         raise FileNotFoundError(f"--skip-answered: no answer file at {', '.join(missing)}")
     answered = {tuple(record["prompt_ids"]) for path in skip_answered for record in _read_lines(Path(path))}
-    todo = (record for record in read_jsonl(prompts_file) if record["id"] not in done
-            and tuple(chat_ids(tokenizer, record["prompt"])[-max_prompt_tokens:]) not in answered)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    done = {record["id"] for record in _read_lines(out_file)}
+    with_ids = ((record, chat_ids(tokenizer, record["prompt"])[-max_prompt_tokens:])
+                for record in read_jsonl(prompts_file) if record["id"] not in done)
+    todo = ((record, ids) for record, ids in with_ids if tuple(ids) not in answered)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
     started = time.perf_counter()
     written = tokens = 0
@@ -526,16 +527,16 @@ def generate_responses_via_server(
     with httpx.Client(base_url=url.rstrip("/"), timeout=1800) as client:
         _check_server(client, url)
         with ThreadPoolExecutor(concurrency) as pool, open(out_file, "a") as handle:
-            answer = partial(_answer_via_server, client, tokenizer, sampling, max_prompt_tokens)
+            answer = partial(_answer_via_server, client, sampling)
             in_flight: set = set()
             while True:
                 out_of_time = time_budget_s is not None and time.perf_counter() - started > time_budget_s
                 stopped_by_budget = stopped_by_budget or out_of_time
                 while not out_of_time and len(in_flight) < concurrency:
-                    record = next(todo, None)
-                    if record is None:
+                    item = next(todo, None)
+                    if item is None:
                         break
-                    in_flight.add(pool.submit(answer, record))
+                    in_flight.add(pool.submit(answer, *item))
                 if not in_flight:
                     break
                 finished, in_flight = wait(in_flight, return_when=FIRST_COMPLETED)
@@ -548,9 +549,8 @@ def generate_responses_via_server(
     return _generation_summary(written, tokens, started, stopped_by_budget=stopped_by_budget)
 
 
-def _answer_via_server(client, tokenizer, sampling: dict, max_prompt_tokens: int, record: dict) -> dict:
+def _answer_via_server(client, sampling: dict, record: dict, prompt_ids: list[int]) -> dict:
     """One prompt's record: its chat-templated ids and the server's answer to exactly those ids."""
-    prompt_ids = chat_ids(tokenizer, record["prompt"])[-max_prompt_tokens:]
     reply = client.post("/generate", json={"input_ids": prompt_ids, "sampling_params": sampling})
     if reply.status_code != 200:
         raise RuntimeError(f"{client.base_url}/generate answered {reply.status_code} for {record['id']}: "
