@@ -27,7 +27,7 @@ import sys
 import sysconfig
 import time
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -203,17 +203,18 @@ def _docstring(text: str) -> str:
     return f'"""{text}"""'
 
 
-def _chitchat_turns() -> Iterator[list[str]]:
+@lru_cache(maxsize=1)
+def _chitchat_turns() -> tuple[tuple[str, ...], ...]:
     """Each chitchat conversation (in key order) as its turns' texts, a turn being all the
-    consecutive messages of one sender."""
+    consecutive messages of one sender. Parsed once: the opening and the later turns read it."""
     spec = importlib.util.find_spec("chitchat_dataset")
     path = Path(list(spec.submodule_search_locations)[0]) / "dataset.json"
     conversations = json.loads(path.read_text())
-    for key in sorted(conversations):
-        yield [" ".join(m["text"].strip() for m in turn).strip() for turn in conversations[key].get("messages") or []]
+    return tuple(tuple(" ".join(m["text"].strip() for m in turn).strip() for turn in conversations[key].get("messages") or [])
+                 for key in sorted(conversations))
 
 
-def _turn_and_reply(turns: list[str], index: int) -> tuple[str, str]:
+def _turn_and_reply(turns: tuple[str, ...], index: int) -> tuple[str, str]:
     return turns[index], turns[index + 1] if index + 1 < len(turns) else ""
 
 
