@@ -13,7 +13,7 @@ def eval_command(
     draft: List[str] = typer.Option(..., "--draft", help="Drafter folder; repeat to compare (e.g. DSpark and its DFlash twin)."),
     target: Optional[str] = typer.Option(None, "--target", help="Target model folder [default: prepared SmolLM2]."),
     domain: Optional[str] = typer.Option(None, "--domain", help="math | code | chat (default: all three)."),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL with a 'prompt' field (chat-templated here) and an optional 'domain'."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL with a 'prompt' field (chat-templated here), an optional 'domain' and an optional 'context' (a conversation's earlier turns, oldest first)."),
     temperature: float = typer.Option(1.0, "--temperature", help="0 = greedy."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="Drafts verified per round (default gamma)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Prompts per domain."),

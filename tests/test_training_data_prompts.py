@@ -1,17 +1,25 @@
-"""Training prompts: code's method prompts and chat's later turns extend the train split without moving a prompt."""
+"""Training prompts: code's method prompts and chat's later turns (as conversations) extend the train split without moving a prompt."""
 
 from __future__ import annotations
 
 import ast
+import json
 import random
 
 import pytest
 
 from sglang_dspark.training.data import (
+    CONVERSATION_TURNS,
+    _chitchat_turns,
+    chat_conversation_prompts,
+    chat_ids,
     chat_prompts,
     domain_prompts,
     frozen_held_out,
     human_eval_prompts,
+    read_jsonl,
+    record_prompt_ids,
+    reference_records,
     stdlib_function_prompts,
 )
 
@@ -71,3 +79,52 @@ def test_chat_later_turns_come_after_the_opening_turns_in_their_old_order():
     later = prompts[len(openers):]
     assert len(later) > 10 * len(openers) and not set(later) & set(openers)
     assert sum(bool(notes["references"].get(prompt)) for prompt in later) > 0.9 * len(later)  # the reply turn
+
+
+def test_chat_later_turns_carry_their_conversation_from_a_turn_of_the_same_sender():
+    """A later turn is answered as a multi-turn chat: the conversation up to it, an odd number
+    of turns so that they alternate user / assistant from a user's turn to the one answered."""
+    conversations = [prompt for prompt, _ in chat_conversation_prompts()]
+    assert all(isinstance(turns, tuple) and 3 <= len(turns) <= CONVERSATION_TURNS and len(turns) % 2 == 1
+               for turns in conversations)
+    first = next(turns for turns in _chitchat_turns() if len(turns) >= 9 and all(len(t) >= 8 for t in turns[2:9]))
+    ours = [turns for turns in conversations if turns[-1] in first[2:9]][:7]
+    assert ours == [first[0:3], first[1:4], first[0:5], first[1:6], first[0:7], first[1:8], first[2:9]]  # the last 7
+
+
+def test_a_conversation_alternates_roles_back_from_the_prompt_and_sheds_its_oldest_exchanges_to_fit(
+        tiny_serving_models):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_serving_models[0])
+    context = ["Hi, how are you today?", "Fine, and you?", "Great. Any plans?", "A walk by the river."]
+    text = tokenizer.decode(chat_ids(tokenizer, "Sounds nice.", context))
+    assert text.index("<|im_start|>user\nHi, how") < text.index("<|im_start|>assistant\nFine") \
+        < text.index("<|im_start|>user\nGreat") < text.index("<|im_start|>assistant\nA walk") \
+        < text.index("<|im_start|>user\nSounds nice.") and text.endswith("<|im_start|>assistant\n")
+    record = {"prompt": "Sounds nice.", "context": context}
+    whole = chat_ids(tokenizer, "Sounds nice.", context)
+    assert record_prompt_ids(tokenizer, record, len(whole)) == whole
+    assert record_prompt_ids(tokenizer, record, len(whole) - 1) == chat_ids(tokenizer, "Sounds nice.", context[2:])
+    alone = chat_ids(tokenizer, "Sounds nice.")
+    assert record_prompt_ids(tokenizer, record, len(alone)) == alone
+    assert record_prompt_ids(tokenizer, record, 3) == alone[-3:]  # too long alone: its last ids, as before
+
+
+def test_a_prompt_file_with_a_malformed_context_is_refused_by_line(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "ok", "context": ["a", "b"]}) + "\n"
+                    + json.dumps({"prompt": "next", "context": "a single string"}) + "\n")
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2: 'context' must be a list of strings"):
+        read_jsonl(path)
+
+
+def test_reference_answers_of_a_conversation_are_templated_with_it(tiny_serving_models, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_serving_models[0])
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"id": "train-chat-9", "domain": "chat", "prompt": "And you?",
+                                 "context": ["Hello!", "Hi, I am well."], "reference": "Good, thanks."}) + "\n")
+    (record,) = reference_records(tokenizer, train)
+    assert record["prompt_ids"] == chat_ids(tokenizer, "And you?", ["Hello!", "Hi, I am well."])

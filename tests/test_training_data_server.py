@@ -53,14 +53,18 @@ def test_server_answers_are_the_targets_and_a_rerun_only_answers_new_prompts(bas
     assert read_responses(packed) == read_responses(out)  # how drafters/data/ keeps them
 
     # a new split names the same prompts by other ids: the answered ones are matched by token ids
+    # (and a conversation ending on an answered prompt is a new prompt: the target reads its turns)
     renamed, fresh = tmp_path / "renamed.jsonl", tmp_path / "fresh.jsonl"
+    context = ["Tell me about your weekend.", "I went hiking."]
     with open(renamed, "w") as handle:
         for index, prompt in enumerate([*PROMPTS, "Name three rivers."]):
             handle.write(json.dumps({"id": f"train-chat-{100 + index}", "domain": "chat", "prompt": prompt}) + "\n")
+        handle.write(json.dumps({"id": "train-chat-200", "domain": "chat", "prompt": PROMPTS[0], "context": context}) + "\n")
     summary = generate_responses_via_server(baseline_server.url, str(target), renamed, fresh, max_new_tokens=12,
                                             concurrency=2, temperature=0.0, skip_answered=[packed])
-    assert summary["responses"] == 1
-    assert [record["prompt_ids"] for record in read_responses(fresh)] == [chat_ids(tokenizer, "Name three rivers.")]
+    assert summary["responses"] == 2
+    assert sorted(record["prompt_ids"] for record in read_responses(fresh)) == sorted(
+        [chat_ids(tokenizer, "Name three rivers."), chat_ids(tokenizer, PROMPTS[0], context)])
 
 
 def test_generate_names_the_url_when_no_server_answers(tiny_serving_models, tmp_path):

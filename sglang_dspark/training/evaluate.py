@@ -220,8 +220,9 @@ def run_rounds(target, drafter, tokenizer, prompts: list[dict], name: str, tempe
                eos_token_id: int | None = None) -> tuple[list[RoundRecord], dict]:
     """Decode ``prompts`` and record every round.
 
-    A prompt record has ``prompt`` (chat-templated with ``tokenizer``) or ready ``prompt_ids``,
-    and optionally ``domain`` and ``id``.
+    A prompt record has ``prompt`` (chat-templated with ``tokenizer``, after a conversation's
+    earlier turns in ``context`` where it has them) or ready ``prompt_ids``, and optionally
+    ``domain`` and ``id``.
     """
     from sglang_dspark.decoding import generate
     from sglang_dspark.training.data import chat_ids
@@ -235,7 +236,8 @@ def run_rounds(target, drafter, tokenizer, prompts: list[dict], name: str, tempe
     generated = 0
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
-        ids = [p["prompt_ids"] if "prompt_ids" in p else chat_ids(tokenizer, p["prompt"]) for p in batch]
+        ids = [p["prompt_ids"] if "prompt_ids" in p else chat_ids(tokenizer, p["prompt"], p.get("context", ()))
+               for p in batch]
         output = generate(target, timed, ids, max_new_tokens, temperature=temperature,
                           seed=seed + start, verify_lengths=verify_length, eos_token_id=eos_token_id)
         generated += sum(len(t) for t in output.tokens)
