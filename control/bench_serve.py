@@ -308,11 +308,13 @@ def bench_serve_command(
                                                            "after the other (1: c at once, the wave waits for "
                                                            "the slowest)."),
     max_new_tokens: int = typer.Option(128, min=1, help="Output tokens per request."),
-    ignore_eos: bool = typer.Option(True, "--ignore-eos/--stop-at-eos",
-                                    help="Generate exactly --max-new-tokens past the end of turn (default), or stop "
-                                         "there like real traffic (greedy output is lossless, so every arm still "
-                                         "produces the same tokens; the drafter never trained on text past the end "
-                                         "of turn)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos/--stop-at-eos",
+                                    help="Stop at the end of turn like real traffic (default; greedy output is "
+                                         "lossless, so every arm still produces the same tokens), or generate exactly "
+                                         "--max-new-tokens past it. Fixed lengths favour plain serving: its requests "
+                                         "finish in lock step and are prefilled together, where speculative ones "
+                                         "finish at different steps and are prefilled one by one; and the drafter "
+                                         "never trained on text past the end of turn."),
     prompts_per_domain: int = typer.Option(22, min=1, help="Eval prompts taken from each domain (66 in all: a "
                                                              "wave of 16 clients x 4 requests repeats none)."),
     temperature: float = typer.Option(0.0, min=0.0, help="Sampling temperature of every request (0: greedy)."),
