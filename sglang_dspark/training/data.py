@@ -255,8 +255,8 @@ def domain_prompts(domain: str, seed: int, math_count: int = 12000) -> tuple[lis
     ``notes["references"]`` maps a prompt to a human-written answer where the wheel has one
     (stdlib source for code, the reply turn for chat): cheap teacher-forced training text.
     Prompts added once a domain's first list was answered (code's method prompts, chat's later
-    turns as conversations) come after all the others, in their own seeded order, so that adding them moved no
-    earlier prompt: the frozen held-out splits and the train ids the shipped answer files were
+    turns as conversations) come after all the others, in their own seeded order, so that adding
+    them moved no earlier prompt: the frozen held-out splits and the train ids the shipped answer files were
     generated from (``train-code-N``, ``train-chat-N``) still name the same prompts. Math's
     questions differ from process to process (see :func:`frozen_held_out`), so ``train-math-N``
     names no fixed prompt; ``generate --skip-answered`` matches answered prompts by token ids.
@@ -276,7 +276,7 @@ def domain_prompts(domain: str, seed: int, math_count: int = 12000) -> tuple[lis
         later = chat_conversation_prompts()
     else:
         raise ValueError(f"unknown domain {domain!r}; expected one of {DOMAINS}")
-    references: dict[str, str] = {}
+    references: dict[Prompt, str] = {}
     unique = _add_shuffled(pairs, references, random.Random(f"{seed}-{domain}"))
     unique += _add_shuffled(later, references, random.Random(f"{seed}-{domain}-later"))
     notes["count"] = len(unique)
@@ -286,7 +286,7 @@ def domain_prompts(domain: str, seed: int, math_count: int = 12000) -> tuple[lis
 
 def _add_shuffled(pairs: list[tuple[Prompt, str]], references: dict[Prompt, str], rng: random.Random) -> list[Prompt]:
     """The prompts of `pairs` not yet in `references`, de-duplicated and shuffled; records their answers."""
-    new: dict[str, str] = {}
+    new: dict[Prompt, str] = {}
     for prompt, reference in pairs:
         if prompt not in references:
             new.setdefault(prompt, reference)
