@@ -233,6 +233,25 @@ def test_stop_token_inside_an_accepted_run_stops_like_plain_serving(servers, bas
 
 
 @pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
+def test_min_new_tokens_holds_back_a_stop_token_like_plain_serving(servers, baseline_outputs, flavour):
+    """A stop token that greedy decoding emits early may not end the request before
+    `min_new_tokens`: SGLang's sampler bans it, and so must the verify path (it once let it stop)."""
+    reference = baseline_outputs[5]["output_ids"]
+    cases = _first_occurrences(reference, list(range(3, 40)))[:3]
+    assert cases, "the reference output has no usable stop token"
+    for token, position in cases:
+        for minimum in (position, position + 1, position + 6):
+            sampling = greedy(64, stop_token_ids=[token], min_new_tokens=minimum)
+            want = generate(servers["baseline"].url, PROMPTS[5], **sampling)
+            got = generate(servers[flavour].url, PROMPTS[5], **sampling)
+            assert got["output_ids"] == want["output_ids"], (token, position, minimum)
+            assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+            assert len(got["output_ids"]) >= minimum
+            if minimum > position:  # the token's first occurrence came too early to stop there
+                assert len(got["output_ids"]) > position + 1, (token, position, minimum)
+
+
+@pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
 def test_stop_string_truncates_like_plain_serving(servers, baseline_outputs, flavour):
     reference_text = baseline_outputs[7]["text"]
     stops = []

@@ -11,8 +11,10 @@ from kv_fakes import FakeKVPool
 from sglang_dspark import runtime
 from sglang_dspark.engine import settings as settings_module
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
+from sglang_dspark.engine.requests import StopBan, min_new_tokens_bans
 from sglang_dspark.engine.settings import SettingsError, load_settings
 from sglang_dspark.engine.verify_attention import VerifyLayout, verify_attention
+from sglang_dspark.engine.worker import _ban_stop_tokens
 
 
 def _reference_attention(q, k, v, prefix_len, scale):
@@ -614,3 +616,34 @@ def test_the_drafter_dtype_follows_the_target_where_this_cpu_serves_it_fast(monk
     assert worker._draft_dtype() == want
     worker.settings = SimpleNamespace(draft_dtype="float32")  # an explicit choice always wins
     assert worker._draft_dtype() == torch.float32
+
+
+class _Tokenizer:
+    eos_token_id = 2
+    additional_stop_token_ids = {7}
+
+
+class _Req:
+    def __init__(self, prompt_len: int, min_new_tokens: int, stop_token_ids=None, eos_token_ids=None):
+        self.origin_input_ids = list(range(prompt_len))
+        self.sampling_params = type("Params", (), {"min_new_tokens": min_new_tokens,
+                                                   "stop_token_ids": stop_token_ids})()
+        self.eos_token_ids = eos_token_ids
+        self.tokenizer = _Tokenizer()
+
+
+def test_min_new_tokens_bans_the_stop_tokens_sglangs_penalizer_bans_until_the_same_length():
+    reqs = [_Req(5, 0), _Req(4, 3, stop_token_ids={9}, eos_token_ids={2, 11})]
+    assert min_new_tokens_bans(reqs) == [StopBan(batch_index=1, until_position=6, token_ids=(2, 7, 9, 11))]
+
+
+def test_stop_bans_cover_only_the_verify_rows_below_their_position():
+    # three requests with windows of 3, 1 and 4 rows at committed lengths 10, 4 and 20
+    logits = torch.zeros(8, 12)
+    seq_lens, window_lens = torch.tensor([10, 4, 20]), torch.tensor([3, 1, 4])
+    bans = [StopBan(0, 12, (2, 7)), StopBan(1, 4, (3,)), StopBan(2, 30, (5, 99))]
+    _ban_stop_tokens(logits, bans, seq_lens, window_lens)
+    banned = {(row, col) for row, col in (logits == float("-inf")).nonzero().tolist()}
+    # request 0: positions 10, 11 banned, 12 free; request 1: position 4 is not below 4;
+    # request 2: all four rows (20..23), and id 99 lies outside the vocabulary
+    assert banned == {(0, 2), (0, 7), (1, 2), (1, 7), (4, 5), (5, 5), (6, 5), (7, 5)}

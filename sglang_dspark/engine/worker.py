@@ -42,6 +42,7 @@ from sglang_dspark.engine import verify_attention
 from sglang_dspark.engine.lookup import SlotLookups
 from sglang_dspark.engine.planning import StepDecision, VerifyPlanner
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
+from sglang_dspark.engine.requests import StopBan, min_new_tokens_bans
 from sglang_dspark.engine.settings import load_settings
 from sglang_dspark.kernels_cpu.build import KernelUnavailable, vector_isa_supported
 from sglang_dspark.kernels_cpu.draft_walk import KernelWalk, kernel_walk_fits
@@ -315,6 +316,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         logits, taps, window_kv_slots = self._verify_forward(batch, slots, seq_lens, bonus, drafts, plan.verify_lens)
         verified = time.perf_counter()
         window_lens = plan.verify_lens + 1
+        _ban_stop_tokens(logits, min_new_tokens_bans(batch.reqs), seq_lens, window_lens)
         target_argmax = self.row_argmax(logits).cpu()
         if bool(params.greedy.all()):  # the logits are never copied or padded
             outcome = verify_greedy(draft.tokens, _pad_rows(target_argmax, window_lens), plan.verify_lens)
@@ -615,6 +617,23 @@ def _target_sampler_for(device) -> TargetSampler | None:
         logger.warning("DSPARK_LIVE: sampled acceptance materialises the target's softmax (no kernel: %s)", error)
         return None
     return kernel_sampler
+
+
+def _ban_stop_tokens(logits: torch.Tensor, bans: list[StopBan], seq_lens: torch.Tensor,
+                     window_lens: torch.Tensor) -> None:
+    """`min_new_tokens`, as SGLang's penalizer applies it: -inf on each ban's stop tokens in the
+    packed verify rows at input positions below its `until_position` (request b's rows sit at
+    positions `seq_lens[b] + i`), before acceptance reads the logits."""
+    if not bans:
+        return
+    starts = torch.cumsum(window_lens, 0) - window_lens
+    for ban in bans:
+        b = ban.batch_index
+        rows = min(int(window_lens[b]), ban.until_position - int(seq_lens[b]))
+        token_ids = [t for t in ban.token_ids if 0 <= t < logits.shape[1]]
+        if rows > 0 and token_ids:
+            first = int(starts[b])
+            logits[first:first + rows, torch.tensor(token_ids, device=logits.device)] = float("-inf")
 
 
 def _committed_rows(window_lens: torch.Tensor, accept_lens: torch.Tensor) -> torch.Tensor:
