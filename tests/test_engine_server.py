@@ -337,10 +337,61 @@ def test_top_p_and_top_k_narrowing_sampling_to_one_token_serve_plain_greedy_text
 def test_unsupported_sampling_features_are_refused_with_a_reason_not_served_wrongly(servers):
     url = servers["dspark_overlap"].url
     response = httpx.post(f"{url}/generate", timeout=300, json={
-        "text": PROMPTS[1], "return_logprob": True, "sampling_params": greedy(8, frequency_penalty=0.5)})
+        "text": PROMPTS[1], "sampling_params": greedy(8, frequency_penalty=0.5, min_p=0.1)})
     body = response.text
-    assert "DSPARK_LIVE does not support" in body and "return_logprob" in body and "penalty" in body, body
+    assert response.status_code == 400, body
+    assert "DSPARK_LIVE does not support" in body and "min_p" in body and "penalty" in body, body
     assert generate(url, PROMPTS[1], **greedy(4, ignore_eos=True))["meta_info"]["completion_tokens"] == 4
+
+
+def _logprob_fields(meta: dict) -> dict:
+    return {key: meta[key] for key in ("input_token_logprobs", "output_token_logprobs", "output_top_logprobs",
+                                       "output_token_ids_logprobs")}
+
+
+def _assert_logprobs_close(got, want, where: str) -> None:
+    """Nested [logprob, token id, (text)] lists: same ids and shapes, values within 1e-4."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            _assert_logprobs_close(got[key], want[key], f"{where} {key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_logprobs_close(g, w, f"{where}[{i}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-4), where
+    else:
+        assert got == want, where
+
+
+@pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
+def test_logprobs_of_accepted_runs_equal_plain_servings(servers, flavour):
+    """return_logprob (output, top-k, chosen ids and the prompt's) is served from the verify rows
+    and reads what plain serving reads, beside requests that ask for none and a sampled one."""
+    asks = {"return_logprob": True, "top_logprobs_num": 3, "token_ids_logprob": [5, 17], "logprob_start_len": 0}
+    bodies = [{"text": PROMPTS[i], **asks, "sampling_params": greedy(MAX_NEW[i], ignore_eos=True)} for i in (0, 2, 5)]
+    bodies += [{"text": PROMPTS[3], "sampling_params": greedy(20, ignore_eos=True)},
+               {"text": PROMPTS[4], "return_logprob": True,
+                "sampling_params": {"temperature": 1.0, "max_new_tokens": 30, "ignore_eos": True}}]
+
+    def post_all(url):
+        with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+            responses = list(pool.map(lambda body: httpx.post(f"{url}/generate", json=body, timeout=300), bodies))
+        for response in responses:
+            response.raise_for_status()
+        return [response.json() for response in responses]
+
+    want, got = post_all(servers["baseline"].url), post_all(servers[flavour].url)
+    for i in range(3):
+        assert got[i]["output_ids"] == want[i]["output_ids"], f"request {i} diverged from plain serving"
+        _assert_logprobs_close(_logprob_fields(got[i]["meta_info"]), _logprob_fields(want[i]["meta_info"]),
+                               f"request {i}")
+    assert got[3]["output_ids"] == want[3]["output_ids"]
+    sampled = got[4]["meta_info"]["output_token_logprobs"]
+    assert [token for _, token, *_ in sampled] == got[4]["output_ids"]
+    assert all(value <= 0.0 for value, *_ in sampled)
+    assert got[4]["meta_info"]["spec_verify_ct"] < 30, "the sampled request never accepted a draft"
 
 
 def _repeated_trigrams(ids: list[int]) -> int:

@@ -1,10 +1,11 @@
 """Refuse, per request and with a clear 400, what the DSPARK_LIVE verify path does not implement.
 
-SGLang's own sampler applies logprobs, grammars, penalties, min-p and logit bias; the verify path
+SGLang's own sampler applies grammars, penalties, min-p and logit bias; the verify path
 samples with `decoding.verify` instead, so such a request would silently get a different output
 distribution. The plugin hooks the scheduler's request validation (which already aborts a request
 with a message) to say so instead. `min_new_tokens` is served: `min_new_tokens_bans` tells the
-worker which stop tokens to ban on which verify rows, as SGLang's penalizer does.
+worker which stop tokens to ban on which verify rows, as SGLang's penalizer does; so is
+`return_logprob` (the worker hands SGLang's `compute_spec_logprobs` the verify rows).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ def unsupported_request_reason(req) -> str | None:
     """Why `req` (an SGLang `Req`) cannot be served by DSPARK_LIVE, or None if it can."""
     params = req.sampling_params
     problems = []
-    if getattr(req, "return_logprob", False):
-        problems.append("return_logprob")
     if getattr(req, "return_hidden_states", False):
         problems.append("return_hidden_states")
     for name in ("json_schema", "regex", "ebnf", "structural_tag"):
@@ -38,7 +37,7 @@ def unsupported_request_reason(req) -> str | None:
     if not problems:
         return None
     return (f"{ALGORITHM_NAME} does not support {', '.join(problems)} yet; supported: temperature, top_p, "
-            "top_k, stop, stop_token_ids, min_new_tokens, max_new_tokens, ignore_eos, streaming")
+            "top_k, stop, stop_token_ids, min_new_tokens, max_new_tokens, ignore_eos, return_logprob, streaming")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
@@ -317,6 +319,8 @@ class DSparkLiveWorker(BaseSpecWorker):
         verified = time.perf_counter()
         window_lens = plan.verify_lens + 1
         _ban_stop_tokens(logits, min_new_tokens_bans(batch.reqs), seq_lens, window_lens)
+        # copied before acceptance reads the rows (sampled rows may be rescaled in place)
+        logprob_rows = _rows_at_stride(logits, window_lens, self.stride) if batch.return_logprob else None
         target_argmax = self.row_argmax(logits).cpu()
         if bool(params.greedy.all()):  # the logits are never copied or padded
             outcome = verify_greedy(draft.tokens, _pad_rows(target_argmax, window_lens), plan.verify_lens)
@@ -339,10 +343,16 @@ class DSparkLiveWorker(BaseSpecWorker):
 
         next_tokens = torch.zeros((batch_size, self.stride), dtype=torch.int64)
         next_tokens[:, : outcome.tokens.shape[1]] = outcome.tokens.clamp(min=0)
+        logits_output = None
+        if logprob_rows is not None:
+            logits_output = LogitsProcessorOutput(next_token_logits=logprob_rows)
+            compute_spec_logprobs(batch, logits_output, next_tokens.reshape(-1).to(self.device),
+                                  chain_stride=self.stride)
+            logits_output.next_token_logits = None  # the scheduler reads only the logprobs
         self._record(batch, rids, slots, seq_lens, params, plan, outcome.num_accepted,
                      started, drafted, verified, decision, caught_up, times)
         return GenerationBatchResult(
-            logits_output=None,
+            logits_output=logits_output,
             next_token_ids=next_tokens.reshape(-1).to(self.device),
             accept_lens=accept_lens.to(device=self.device, dtype=torch.int32),
             cap_lens=window_lens.to(device=self.device, dtype=torch.int32),
@@ -548,6 +558,16 @@ def _empty_block(batch_size: int, sampled: bool) -> DraftBlock:
     probs = torch.zeros((batch_size, 1, 0)) if sampled else None
     return DraftBlock(tokens=torch.zeros((batch_size, 1), dtype=torch.long), probs=probs, confidence_logits=None,
                       probs_vocab=torch.zeros(0, dtype=torch.long) if sampled else None)
+
+
+def _rows_at_stride(packed: torch.Tensor, lengths: torch.Tensor, stride: int) -> torch.Tensor:
+    """`[sum(lengths), V]` verify rows -> `[B * stride, V]`, request b's row j at `b * stride + j`
+    (the rest zeros): the layout in which SGLang's `compute_spec_logprobs` pairs output token
+    (b, j) with the logits row that chose it."""
+    request, offset = packed_rows(lengths)
+    out = packed.new_zeros((len(lengths) * stride, packed.shape[1]))
+    out[(request * stride + offset).to(packed.device)] = packed
+    return out
 
 
 def _pad_rows(packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
