@@ -252,6 +252,23 @@ def test_min_new_tokens_holds_back_a_stop_token_like_plain_serving(servers, base
 
 
 @pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
+def test_logit_bias_steers_greedy_output_like_plain_serving(servers, baseline_outputs, flavour):
+    """A bias that bans tokens the greedy output uses, and one that favours another, change the
+    text; the verify rows must carry them as SGLang's sampler does, greedy and sampled alike."""
+    reference = baseline_outputs[2]["output_ids"]
+    banned = [token for token, _ in _first_occurrences(reference, list(range(2, 30)))[:2]]
+    assert banned, "the reference output has no usable token to ban"
+    bias = {str(token): -100.0 for token in banned} | {str(reference[0]): 3.0}
+    requests = [(PROMPTS[2], greedy(40, ignore_eos=True, logit_bias=bias)),
+                (PROMPTS[2], {"temperature": 1.0, "max_new_tokens": 40, "ignore_eos": True, "logit_bias": bias})]
+    want = generate(servers["baseline"].url, *requests[0][:1], **requests[0][1])
+    got, sampled = generate_all(servers[flavour].url, requests)
+    assert want["output_ids"] != reference[:40], "the bias did not change plain serving's text"
+    assert got["output_ids"] == want["output_ids"]
+    assert not set(banned) & set(sampled["output_ids"]), "a sampled request emitted a banned token"
+
+
+@pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
 def test_stop_string_truncates_like_plain_serving(servers, baseline_outputs, flavour):
     reference_text = baseline_outputs[7]["text"]
     stops = []

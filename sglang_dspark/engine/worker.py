@@ -319,6 +319,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         verified = time.perf_counter()
         window_lens = plan.verify_lens + 1
         _ban_stop_tokens(logits, min_new_tokens_bans(batch.reqs), seq_lens, window_lens)
+        _add_logit_bias(logits, batch.sampling_info.logit_bias, window_lens)
         # copied before acceptance reads the rows (sampled rows may be rescaled in place)
         logprob_rows = _rows_at_stride(logits, window_lens, self.stride) if batch.return_logprob else None
         target_argmax = self.row_argmax(logits).cpu()
@@ -654,6 +655,15 @@ def _ban_stop_tokens(logits: torch.Tensor, bans: list[StopBan], seq_lens: torch.
         if rows > 0 and token_ids:
             first = int(starts[b])
             logits[first:first + rows, torch.tensor(token_ids, device=logits.device)] = float("-inf")
+
+
+def _add_logit_bias(logits: torch.Tensor, logit_bias: torch.Tensor | None, window_lens: torch.Tensor) -> None:
+    """Each request's `logit_bias` row (SGLang keeps it per batch, `[B, V]`) added to its verify
+    rows, after the bans, as SGLang's sampler adds it after its penalties."""
+    if logit_bias is None:
+        return
+    request, _ = packed_rows(window_lens)
+    logits.add_(logit_bias[request.to(logit_bias.device), : logits.shape[1]].to(logits.device, logits.dtype))
 
 
 def _committed_rows(window_lens: torch.Tensor, accept_lens: torch.Tensor) -> torch.Tensor:
