@@ -6,8 +6,10 @@ One decode step, for the whole batch:
 2. plan: how many drafts of each request to verify (`engine.planning`);
 3. verify: ONE target forward over every request's `[bonus, admitted drafts]` (ragged), run as
    `TARGET_VERIFY` so the logits processor keeps every row, and capturing the tapped layers;
-4. accept: greedy rows by argmax match, sampled rows by rejection sampling on the forward's packed
-   rows (`decoding.verify_greedy`, `decoding.verify_packed`);
+4. accept: first the logit changes SGLang's sampler would make (min_new_tokens bans, logit_bias),
+   then greedy rows by argmax match, sampled rows by rejection sampling on the forward's packed
+   rows (`decoding.verify_greedy`, `decoding.verify_packed`); logprobs, when asked, from the same
+   rows;
 5. commit: the accepted tokens' taps are stored beside their KV slots (the tap store); KV of
    rejected drafts stays in the request's reserved slots and is overwritten by the next window.
    The drafter context catches up from the tap store only when a step drafts (`_catch_up`), so
