@@ -322,7 +322,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         window_lens = plan.verify_lens + 1
         _ban_stop_tokens(logits, min_new_tokens_bans(batch.reqs), seq_lens, window_lens)
         _add_logit_bias(logits, batch.sampling_info.logit_bias, window_lens)
-        # copied before acceptance reads the rows (sampled rows may be rescaled in place)
+        # the rows acceptance reads, laid out for SGLang's spec logprobs when a request asks for them
         logprob_rows = _rows_at_stride(logits, window_lens, self.stride) if batch.return_logprob else None
         target_argmax = self.row_argmax(logits).cpu()
         if bool(params.greedy.all()):  # the logits are never copied or padded
