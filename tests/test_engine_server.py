@@ -408,7 +408,9 @@ def test_logprobs_of_accepted_runs_equal_plain_servings(servers, flavour):
     sampled = got[4]["meta_info"]["output_token_logprobs"]
     assert [token for _, token, *_ in sampled] == got[4]["output_ids"]
     assert all(value <= 0.0 for value, *_ in sampled)
-    assert got[4]["meta_info"]["spec_verify_ct"] < 30, "the sampled request never accepted a draft"
+    if flavour == "dspark_overlap":  # every draft verified: some step committed a run of tokens
+        meta = got[4]["meta_info"]
+        assert meta["completion_tokens"] > meta["spec_verify_ct"] + 1, "the sampled request never accepted a draft"
 
 
 def _repeated_trigrams(ids: list[int]) -> int:
