@@ -259,10 +259,10 @@ def test_logit_bias_steers_greedy_output_like_plain_serving(servers, baseline_ou
     banned = [token for token, _ in _first_occurrences(reference, list(range(2, 30)))[:2]]
     assert banned, "the reference output has no usable token to ban"
     bias = {str(token): -100.0 for token in banned} | {str(reference[0]): 3.0}
-    requests = [(PROMPTS[2], greedy(40, ignore_eos=True, logit_bias=bias)),
-                (PROMPTS[2], {"temperature": 1.0, "max_new_tokens": 40, "ignore_eos": True, "logit_bias": bias})]
-    want = generate(servers["baseline"].url, *requests[0][:1], **requests[0][1])
-    got, sampled = generate_all(servers[flavour].url, requests)
+    biased_greedy = greedy(40, ignore_eos=True, logit_bias=bias)
+    biased_sampled = {"temperature": 1.0, "max_new_tokens": 40, "ignore_eos": True, "logit_bias": bias}
+    want = generate(servers["baseline"].url, PROMPTS[2], **biased_greedy)
+    got, sampled = generate_all(servers[flavour].url, [(PROMPTS[2], biased_greedy), (PROMPTS[2], biased_sampled)])
     assert want["output_ids"] != reference[:40], "the bias did not change plain serving's text"
     assert got["output_ids"] == want["output_ids"]
     assert not set(banned) & set(sampled["output_ids"]), "a sampled request emitted a banned token"
