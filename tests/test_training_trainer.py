@@ -8,7 +8,7 @@ import torch
 from sglang_dspark.model import load_drafter
 from sglang_dspark.training.target_cache import cache_in_memory
 from sglang_dspark.training.trainer import (
-    DrafterSpec, TrainSettings, draft_vocabulary, target_to_draft, train_drafters,
+    DrafterSpec, TrainSettings, draft_vocabulary, lr_at, target_to_draft, train_drafters,
 )
 from tests.tiny import TINY_LAYER_IDS, TINY_MASK_TOKEN_ID, make_tiny_target
 
@@ -197,3 +197,15 @@ def test_a_reselected_vocabulary_keeps_the_shared_tokens_markov_rows(tmp_path):
     assert shared and new
     assert torch.equal(rows_after[[i for i, _ in shared]], rows_before[[j for _, j in shared]])
     assert not rows_after[new].any()
+
+
+def test_a_time_schedule_anneals_the_learning_rate_and_ends_the_run(tmp_path):
+    settings = _settings(1000)
+    assert lr_at(500, settings, time_fraction=0.0) > 0.4 * settings.lr  # halfway by steps
+    assert lr_at(500, settings, time_fraction=0.99) < 1e-3 * settings.lr  # the clock is further on
+    target_dir, cache = _tiny_setup(tmp_path, num_seqs=12)
+    specs = [DrafterSpec(out=str(tmp_path / "dspark"), markov_rank=16)]
+    summary = train_drafters(cache, target_dir, specs, settings, progress=False, schedule_seconds=3.0)
+    assert 0 < summary["step"] < 1000  # ended by the clock, not by the step count
+    log = [json.loads(line) for line in open(tmp_path / "dspark" / "train_log.jsonl")]
+    assert log[-1]["step"] == summary["step"]  # the run's end is evaluated even off the eval grid

@@ -637,8 +637,8 @@ def _generate_batch(model, prompts: list[list[int]], eos: int, max_new_tokens: i
         attention[row, width - len(ids) :] = 1
     with torch.inference_mode():
         output = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention,
+            input_ids=input_ids.to(model.device),
+            attention_mask=attention.to(model.device),
             max_new_tokens=max_new_tokens,
             do_sample=temperature > 0,
             temperature=temperature if temperature > 0 else None,

@@ -193,7 +193,8 @@ def _run_target(model, batch: list[dict], layer_ids: list[int], top_k: int, max_
     for row, seq in enumerate(sequences):  # right padding: positions stay 0..len-1
         ids[row, : len(seq)] = torch.tensor(seq)
         attention[row, : len(seq)] = 1
-    out = model(input_ids=ids, attention_mask=attention, output_hidden_states=True)
+    out = model(input_ids=ids.to(model.device), attention_mask=attention.to(model.device),
+                output_hidden_states=True)
     taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16)
     logits = out.logits.float()
     top_logits, top_i = logits.topk(top_k, dim=-1)  # softmax is monotone: same ids, one pass less
@@ -201,12 +202,12 @@ def _run_target(model, batch: list[dict], layer_ids: list[int], top_k: int, max_
     results = []
     for row, (record, seq) in enumerate(zip(batch, sequences)):
         n = len(seq)
-        mask = torch.zeros(n, dtype=torch.uint8)
+        mask = torch.zeros(n, dtype=torch.uint8, device=taps.device)
         mask[min(len(record["prompt_ids"]), n) :] = 1
         results.append({
             "id": record["id"],
             "domain": record["domain"],
-            "input_ids": torch.tensor(seq, dtype=torch.int32),
+            "input_ids": torch.tensor(seq, dtype=torch.int32, device=taps.device),
             "loss_mask": mask,
             "taps": taps[row, :n].clone(),
             "topk_probs": top_p[row, :n].to(torch.float16),
@@ -216,9 +217,12 @@ def _run_target(model, batch: list[dict], layer_ids: list[int], top_k: int, max_
 
 
 def cache_in_memory(model, records: list[dict], layer_ids: list[int], top_k: int,
-                    max_len: int = 512) -> TargetCache:
-    """Build a :class:`TargetCache` without touching disk (tests, small experiments)."""
-    sequences = _run_target(model, records, layer_ids, top_k, max_len)
+                    max_len: int = 512, tokens_per_batch: int | None = None) -> TargetCache:
+    """Build a :class:`TargetCache` without touching disk (tests, small experiments, and a lent
+    GPU, where the cache stays in the model's device memory so that training batches never cross
+    to the host). ``tokens_per_batch`` bounds one target forward (all records at once without)."""
+    batches = _token_batches(records, tokens_per_batch, max_len) if tokens_per_batch else [records]
+    sequences = [seq for batch in batches for seq in _run_target(model, batch, layer_ids, top_k, max_len)]
     lengths = torch.tensor([len(s["input_ids"]) for s in sequences])
     return TargetCache(
         input_ids=torch.cat([s["input_ids"] for s in sequences]),

@@ -100,7 +100,7 @@ def draft_vocabulary(cache: TargetCache, size: int, always: list[int]) -> torch.
     counts += 1e-3 * torch.bincount(cache.topk_ids[:, 0].long(), minlength=vocab).float()
     counts[always] = float("inf")
     size = min(size, vocab)
-    return counts.topk(size).indices.sort().values
+    return counts.topk(size).indices.sort().values.cpu()
 
 
 def target_to_draft(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -114,7 +114,7 @@ def vocab_coverage(cache: TargetCache, t2d: torch.Tensor) -> float:
     """Share of the target's (top-k) next-token mass on response positions inside the draft vocab."""
     mask = cache.loss_mask
     probs = cache.topk_probs[mask].float()
-    inside = t2d[cache.topk_ids[mask].long()] >= 0
+    inside = t2d.to(mask.device)[cache.topk_ids[mask].long()] >= 0
     return float((probs * inside).sum() / probs.sum().clamp_min(1e-9))
 
 
@@ -141,17 +141,20 @@ def make_batch(cache: TargetCache, indices: list[int], anchors_per_seq: int, gam
 
     Anchor candidates are positions t with loss_mask[t] and loss_mask[t+1] (the anchor and its
     first label are response tokens); missing anchors are dummies (position 0, all slots invalid).
+    The batch lives where the cache does (a cache built on a GPU stays there); ``generator`` is a
+    CPU generator either way, so a batch's anchors do not depend on the device.
     """
     seqs = [cache.sequence(i) for i in indices]
     width = max(len(s["input_ids"]) for s in seqs)
     num, k = len(seqs), cache.topk_ids.shape[1]
-    taps = torch.zeros((num, width, cache.taps.shape[1]), dtype=cache.taps.dtype)
-    ids = torch.zeros((num, width), dtype=torch.long)
-    mask = torch.zeros((num, width), dtype=torch.bool)
-    tk_p = torch.zeros((num, width, k), dtype=torch.float32)
-    tk_i = torch.zeros((num, width, k), dtype=torch.long)
-    anchors = torch.zeros((num, anchors_per_seq), dtype=torch.long)
-    keep = torch.zeros((num, anchors_per_seq), dtype=torch.bool)
+    device = cache.input_ids.device
+    taps = torch.zeros((num, width, cache.taps.shape[1]), dtype=cache.taps.dtype, device=device)
+    ids = torch.zeros((num, width), dtype=torch.long, device=device)
+    mask = torch.zeros((num, width), dtype=torch.bool, device=device)
+    tk_p = torch.zeros((num, width, k), dtype=torch.float32, device=device)
+    tk_i = torch.zeros((num, width, k), dtype=torch.long, device=device)
+    anchors = torch.zeros((num, anchors_per_seq), dtype=torch.long, device=device)
+    keep = torch.zeros((num, anchors_per_seq), dtype=torch.bool, device=device)
     for row, seq in enumerate(seqs):
         n = len(seq["input_ids"])
         taps[row, :n] = seq["taps"]
@@ -162,10 +165,10 @@ def make_batch(cache: TargetCache, indices: list[int], anchors_per_seq: int, gam
         candidates = torch.nonzero(mask[row, : n - 1] & mask[row, 1:n]).flatten()
         if len(candidates) > anchors_per_seq:
             pick = torch.randperm(len(candidates), generator=generator)[:anchors_per_seq]
-            candidates = candidates[pick].sort().values
+            candidates = candidates[pick.to(device)].sort().values
         anchors[row, : len(candidates)] = candidates
         keep[row, : len(candidates)] = True
-    offsets = torch.arange(gamma)
+    offsets = torch.arange(gamma, device=device)
     label_pos = anchors[..., None] + offsets + 1  # slot k predicts the token at anchor + k + 1
     in_range = label_pos < width
     label_pos = label_pos.clamp(max=width - 1)
@@ -188,7 +191,7 @@ def drafter_losses(drafter: DSparkDrafter, batch: Batch, t2d: torch.Tensor,
                    settings: TrainSettings) -> tuple[torch.Tensor, dict]:
     """DeepSpec's weighted CE + L1 + confidence BCE for one batch; returns (loss, metrics)."""
     gamma = drafter.gamma
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16_autocast and drafter.device.type == "cpu"):
+    with torch.autocast(drafter.device.type, dtype=torch.bfloat16, enabled=settings.bf16_autocast):
         hidden = drafter.forward_train(batch.taps, batch.input_ids, batch.anchors)
         logits = drafter.base_logits(hidden) + drafter.markov_bias_block(batch.prev, hidden)
         valid = batch.valid
@@ -196,7 +199,7 @@ def drafter_losses(drafter: DSparkDrafter, batch: Batch, t2d: torch.Tensor,
         conf_logits = (drafter.confidence_logits(h_valid, prev_valid).float()
                        if drafter.has_confidence_head else None)
     logits = logits[valid].float()
-    slot = torch.arange(gamma).expand_as(valid)[valid]
+    slot = torch.arange(gamma, device=valid.device).expand_as(valid)[valid]
     weights = torch.exp(-slot.float() / settings.decay_gamma)
     log_pd = torch.log_softmax(logits, dim=-1)
     p_d = log_pd.exp()
@@ -241,9 +244,9 @@ def expected_tau(valid: torch.Tensor, accept: torch.Tensor, p_d: torch.Tensor,
     ``tau_t1`` = mean of 1 + sum_k prod_{i<=k} c*_i (expected accepted length at T=1, the DeepSpec
     ``tau_probabilistic``); ``tau_greedy`` chains argmax(p_d) == argmax(p_t).
     """
-    per_slot = torch.zeros(valid.shape)
+    per_slot = torch.zeros(valid.shape, device=valid.device)
     per_slot[valid] = accept
-    greedy_slot = torch.zeros(valid.shape)
+    greedy_slot = torch.zeros(valid.shape, device=valid.device)
     target_top = tdraft[:, 0]
     greedy_slot[valid] = (p_d.argmax(-1) == target_top).float() * (target_top >= 0)
     kept = valid[..., 0]
@@ -257,7 +260,8 @@ def expected_tau(valid: torch.Tensor, accept: torch.Tensor, p_d: torch.Tensor,
 
 
 def build_drafter(target_dir: Path, spec: DrafterSpec, settings: TrainSettings,
-                  layer_ids: list[int], d2t: torch.Tensor, weights: TargetWeights) -> DSparkDrafter:
+                  layer_ids: list[int], d2t: torch.Tensor, weights: TargetWeights,
+                  device: str = "cpu") -> DSparkDrafter:
     """A fresh drafter shaped like the target, sharing its frozen embedding and lm_head."""
     target_config = json.loads((target_dir / "config.json").read_text())
     config = DSparkConfig.from_target_config(
@@ -273,7 +277,7 @@ def build_drafter(target_dir: Path, spec: DrafterSpec, settings: TrainSettings,
         draft_vocab_size=len(d2t) if len(d2t) < target_config["vocab_size"] else None,
     )
     d2t_arg = d2t if config.has_reduced_vocab else None
-    return DSparkDrafter(config, target=weights, d2t=d2t_arg, dtype=torch.float32)
+    return DSparkDrafter(config, target=weights, d2t=d2t_arg, dtype=torch.float32, device=device)
 
 
 def load_target_weights(target_dir: Path) -> TargetWeights:
@@ -287,12 +291,14 @@ def load_target_weights(target_dir: Path) -> TargetWeights:
     return TargetWeights(embed_tokens=embed, lm_head=head)
 
 
-def lr_at(step: int, settings: TrainSettings) -> float:
-    """Linear warm-up to the peak, then cosine from the peak to 0 at ``settings.steps``."""
+def lr_at(step: int, settings: TrainSettings, time_fraction: float = 0.0) -> float:
+    """Linear warm-up to the peak, then cosine from the peak to 0 at ``settings.steps``, or
+    earlier where ``time_fraction`` (the share of a run's time schedule spent) is further along:
+    a run on a machine of unknown speed still anneals before its time is up."""
     warmup = max(1, int(settings.warmup_frac * settings.steps))
     if step < warmup:
         return settings.lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, settings.steps - warmup))
+    progress = min(1.0, max((step - warmup) / max(1, settings.steps - warmup), time_fraction))
     return settings.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -365,10 +371,10 @@ class DrafterRun:
         self.train_seconds = 0.0
         self.log = self.out / "train_log.jsonl"
 
-    def step(self, batch: Batch, t2d: torch.Tensor, step: int) -> dict:
+    def step(self, batch: Batch, t2d: torch.Tensor, lr: float) -> dict:
         started = time.perf_counter()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, self.settings)
+            group["lr"] = lr
         loss, metrics = drafter_losses(self.drafter, batch, t2d, self.settings)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -404,9 +410,15 @@ class DrafterRun:
 
 def train_drafters(cache: TargetCache, target_dir: Path, specs: list[DrafterSpec],
                    settings: TrainSettings, command: str = "", time_budget_s: float | None = None,
-                   stop_at: int | None = None,
-                   progress: bool = True) -> dict:
-    """Train every spec on the same batches; resume each from its checkpoint when present."""
+                   stop_at: int | None = None, progress: bool = True, device: str = "cpu",
+                   schedule_seconds: float | None = None) -> dict:
+    """Train every spec on the same batches; resume each from its checkpoint when present.
+
+    ``time_budget_s`` pauses the run (resume later on the same schedule); ``schedule_seconds``
+    instead ends it, with the learning rate annealed to 0 by then (``lr_at``'s time fraction):
+    for a lent machine whose speed nobody measured beforehand. On ``device`` "cuda" the cache
+    should live on the GPU too (``cache_in_memory(..., device=...)``), so batches never cross.
+    """
     torch.manual_seed(settings.seed)
     layer_ids = list(cache.meta["layer_ids"])
     weights = load_target_weights(target_dir)
@@ -417,7 +429,7 @@ def train_drafters(cache: TargetCache, target_dir: Path, specs: list[DrafterSpec
         d2t = _init_d2t(specs)
     if d2t is None:
         d2t = draft_vocabulary(cache, settings.draft_vocab_size, always=[eos])
-    t2d = target_to_draft(d2t, weights.embed_tokens.shape[0])
+    t2d = target_to_draft(d2t, weights.embed_tokens.shape[0]).to(device)
     coverage = vocab_coverage(cache, t2d)
     train_idx, holdout = split_holdout(cache, settings.holdout_fraction)
     sampler = SequenceSampler(train_idx, cache.lengths(), settings.seqs_per_step, settings.seed)
@@ -425,7 +437,7 @@ def train_drafters(cache: TargetCache, target_dir: Path, specs: list[DrafterSpec
     runs = []
     start_step = 0
     for spec in specs:
-        run = DrafterRun(spec, build_drafter(target_dir, spec, settings, layer_ids, d2t, weights), settings)
+        run = DrafterRun(spec, build_drafter(target_dir, spec, settings, layer_ids, d2t, weights, device), settings)
         resumed = _resume(run, sampler, batch_generator, d2t, cache.num_sequences)
         if resumed == 0 and spec.init_from:
             grow_from(run.drafter, Path(spec.init_from))
@@ -435,14 +447,19 @@ def train_drafters(cache: TargetCache, target_dir: Path, specs: list[DrafterSpec
     bar = _progress(settings.steps, start_step, progress)
     step = start_step
     for step in range(start_step, settings.steps):
-        if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
+        elapsed = time.perf_counter() - started
+        if time_budget_s is not None and elapsed > time_budget_s:
             break
         if stop_at is not None and step >= stop_at:  # pause at a known step; the schedule is unchanged
             break
+        time_fraction = elapsed / schedule_seconds if schedule_seconds else 0.0
+        if time_fraction >= 1.0:
+            break
+        lr = lr_at(step, settings, time_fraction)
         batch = make_batch(cache, sampler.next(), settings.anchors_per_seq, settings.block_size, batch_generator)
         line = {}
         for run in runs:
-            metrics = run.step(batch, t2d, step)
+            metrics = run.step(batch, t2d, lr)
             line[run.out.name] = f"L{metrics['loss']:.3f} tau{metrics['tau_t1']:.2f}"
         if bar is not None:
             bar.update(1)
@@ -458,6 +475,9 @@ def train_drafters(cache: TargetCache, target_dir: Path, specs: list[DrafterSpec
     if bar is not None:
         bar.close()
     final_step = step if step < settings.steps else settings.steps
+    if schedule_seconds and final_step % settings.eval_every:  # the schedule ended off the eval grid
+        for run in runs:
+            _log_eval(run, final_step, cache, holdout, t2d, settings)
     _checkpoint_all(runs, final_step, sampler, batch_generator, d2t, cache.num_sequences)
     summary = {"step": final_step, "draft_vocab_size": len(d2t), "vocab_coverage": round(coverage, 4),
                "cache_tokens": int(cache.meta["tokens"]), "train_sequences": len(train_idx)}
