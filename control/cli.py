@@ -21,6 +21,10 @@ app.command("train")(train_command)
 app.command("eval")(eval_command)
 app.command("eval-merge")(eval_merge_command)
 app.command("train-curves")(train_curves_command)
+
+from dspark_ctl.ship import ship_command  # noqa: E402
+
+app.command("ship")(ship_command)
 app.add_typer(data_app, name="data")
 
 from dspark_ctl import bench_sim  # noqa: E402  (bench sim / planner / sps-cpu)

@@ -209,3 +209,71 @@ def test_a_time_schedule_anneals_the_learning_rate_and_ends_the_run(tmp_path):
     assert 0 < summary["step"] < 1000  # ended by the clock, not by the step count
     log = [json.loads(line) for line in open(tmp_path / "dspark" / "train_log.jsonl")]
     assert log[-1]["step"] == summary["step"]  # the run's end is evaluated even off the eval grid
+
+
+def _shipped_and_run(tmp_path):
+    """A 'shipped' drafter folder with a cost model and stale calibrations, and a run grown from it."""
+    from sglang_dspark.calibration.sts import StsCalibration
+
+    target_dir, cache = _tiny_setup(tmp_path, num_seqs=12)
+    shipped = DrafterSpec(out=str(tmp_path / "shipped"), markov_rank=8)
+    train_drafters(cache, target_dir, [shipped], _settings(6), progress=False)
+    for name in ("sts.json", "sts-greedy.json"):
+        StsCalibration.identity(4).save(tmp_path / "shipped" / name)
+    (tmp_path / "shipped" / "sps.json").write_text('{"kept": true}\n')
+    run = DrafterSpec(out=str(tmp_path / "run"), markov_rank=8, init_from=shipped.out)
+    settings = _settings(4)
+    settings.seed = 1
+    train_drafters(cache, target_dir, [run], settings, progress=False)
+    return tmp_path / "shipped", tmp_path / "run"
+
+
+def _ship(shipped, run, *extra):
+    from typer.testing import CliRunner
+
+    from dspark_ctl.cli import app
+
+    return CliRunner().invoke(app, ["ship", "--run", str(run), "--into", str(shipped),
+                                    "--note", "test run", *extra])
+
+
+def test_ship_puts_a_run_over_the_folder_it_grew_from_and_keeps_the_history(tmp_path):
+    from sglang_dspark.calibration.sts import StsCalibration
+
+    shipped, run = _shipped_and_run(tmp_path)
+    old_record = (shipped / "training.json").read_text()
+    old_log = (shipped / "train_log.jsonl").read_text().splitlines()
+    refused = _ship(shipped, run)
+    assert refused.exit_code == 2 and "sts.json, sts-greedy.json" in refused.output
+    assert (shipped / "training.json").read_text() == old_record  # nothing changed
+    fitted = StsCalibration.identity(4)
+    fitted.temperatures[0] = 2.0
+    for name in ("sts.json", "sts-greedy.json"):
+        fitted.save(run / name)
+
+    result = _ship(shipped, run)
+    assert result.exit_code == 0, result.output
+    assert (shipped / "model.safetensors").read_bytes() == (run / "model.safetensors").read_bytes()
+    assert (shipped / "training_run1.json").read_text() == old_record
+    assert json.loads((shipped / "training.json").read_text())["seed"] == 1
+    assert StsCalibration.load(shipped / "sts.json").temperatures[0] == 2.0  # the run's, not the stale one
+    assert (shipped / "sps.json").read_text() == '{"kept": true}\n'
+    log = [json.loads(line) for line in (shipped / "train_log.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in log] == [6, 10] and log[-1]["run"] == "test run"
+    assert log[-1]["train_seconds"] >= log[0]["train_seconds"]
+    assert len(log) == len(old_log) + 1 and not list(tmp_path.glob("shipped.*"))
+
+
+def test_ship_refuses_a_run_that_grew_from_other_weights(tmp_path):
+    shipped, run = _shipped_and_run(tmp_path)
+    for name in ("sts.json", "sts-greedy.json"):
+        (run / name).write_bytes((shipped / name).read_bytes())
+    other = tmp_path / "other"
+    other.mkdir()
+    for path in shipped.iterdir():
+        if path.is_file():
+            (other / path.name).write_bytes(path.read_bytes())
+    (other / "model.safetensors").write_bytes(b"other weights")
+    result = _ship(other, run)
+    assert result.exit_code == 2 and "did not start from the weights" in result.output
+    assert (other / "model.safetensors").read_bytes() == b"other weights"

@@ -24,6 +24,7 @@ resumes where the last stopped (``--steps`` may grow between runs).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -370,6 +371,7 @@ class DrafterRun:
         self.optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
         self.train_seconds = 0.0
         self.log = self.out / "train_log.jsonl"
+        self.init_weights_sha256: str | None = None  # of the --init-from weights, when there are some
 
     def step(self, batch: Batch, t2d: torch.Tensor, lr: float) -> dict:
         started = time.perf_counter()
@@ -388,8 +390,8 @@ class DrafterRun:
         folder = self.out / CHECKPOINT_DIR
         staging = self.out / (CHECKPOINT_DIR + ".tmp")
         save_drafter(self.drafter, staging, include_token_weights=False)
-        torch.save({"step": step, "optimizer": self.optimizer.state_dict(),
-                    "train_seconds": self.train_seconds, **extra}, staging / "training_state.pt")
+        torch.save({"step": step, "optimizer": self.optimizer.state_dict(), "train_seconds": self.train_seconds,
+                    "init_weights_sha256": self.init_weights_sha256, **extra}, staging / "training_state.pt")
         if folder.exists():
             old = self.out / (CHECKPOINT_DIR + ".old")
             folder.rename(old)
@@ -441,6 +443,8 @@ def train_drafters(cache: TargetCache, target_dir: Path, specs: list[DrafterSpec
         resumed = _resume(run, sampler, batch_generator, d2t, cache.num_sequences)
         if resumed == 0 and spec.init_from:
             grow_from(run.drafter, Path(spec.init_from))
+            init_weights = (Path(spec.init_from) / "model.safetensors").read_bytes()
+            run.init_weights_sha256 = hashlib.sha256(init_weights).hexdigest()
         start_step = resumed if not runs else _same_step(start_step, resumed, spec)
         runs.append(run)
     started = time.perf_counter()
@@ -485,6 +489,8 @@ def train_drafters(cache: TargetCache, target_dir: Path, specs: list[DrafterSpec
         meta = {"command": command, "seed": settings.seed, "steps_done": final_step,
                 "train_wall_seconds": round(run.train_seconds, 1), "settings": asdict(settings),
                 "spec": asdict(run.spec), **summary}
+        if run.init_weights_sha256:  # lets `dspark-ctl ship` check the run grew from the weights it replaces
+            meta["init_weights_sha256"] = run.init_weights_sha256
         run.ship(meta)
         summary[run.out.name] = {"train_wall_seconds": round(run.train_seconds, 1)}
     return summary
@@ -638,6 +644,7 @@ def _resume(run: DrafterRun, sampler: SequenceSampler, batch_generator: torch.Ge
     run.drafter.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
     run.optimizer.load_state_dict(state["optimizer"])
     run.train_seconds = state["train_seconds"]
+    run.init_weights_sha256 = state.get("init_weights_sha256")
     batch_generator.set_state(state["batch_generator"])
     torch.set_rng_state(state["torch_rng"])
     if state.get("num_sequences") == num_sequences:
