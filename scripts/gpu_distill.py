@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6000, help="the schedule's length if time allows it")
     parser.add_argument("--seqs-per-step", type=int, default=64)
     parser.add_argument("--anchors", type=int, default=48)
-    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--lr", type=float, default=1e-3, help="what session 36's H200 run used")
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--max-len", type=int, default=448)
     parser.add_argument("--tokens-per-batch", type=int, default=32768)
