@@ -419,7 +419,7 @@ def train_drafters(cache: TargetCache, target_dir: Path, specs: list[DrafterSpec
     ``time_budget_s`` pauses the run (resume later on the same schedule); ``schedule_seconds``
     instead ends it, with the learning rate annealed to 0 by then (``lr_at``'s time fraction):
     for a lent machine whose speed nobody measured beforehand. On ``device`` "cuda" the cache
-    should live on the GPU too (``cache_in_memory(..., device=...)``), so batches never cross.
+    should live on the GPU too (``cache_in_memory`` of a target on the GPU), so batches never cross.
     """
     torch.manual_seed(settings.seed)
     layer_ids = list(cache.meta["layer_ids"])
