@@ -51,6 +51,7 @@ def train_command(
     eval_every: int = typer.Option(50, "--eval-every"),
     time_budget_min: Optional[float] = typer.Option(None, "--time-budget-min", help="Stop (and checkpoint) after this many minutes."),
     stop_at: Optional[int] = typer.Option(None, "--stop-at", help="Stop (and checkpoint) at this step, keeping the --steps schedule: brings drafters trained side by side to the same step."),
+    schedule_min: Optional[float] = typer.Option(None, "--schedule-min", help="End the run after this many minutes with the learning rate annealed to 0 by then (or at --steps, whichever comes first): for a fixed wall budget on a machine whose step time is not known beforehand."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (1 is best on a busy 2-core CPU)."),
     autocast: str = typer.Option("auto", "--autocast", help="bf16 (mixed precision: fp32 weights and optimizer, bf16 matmuls), off (fp32), or auto: bf16 on a CPU with native bf16 math (AVX512-BF16/AMX), where a step ran 1.5x faster; off elsewhere (2.7x slower without it)."),
     as_json: bool = typer.Option(False, "--json"),
@@ -72,6 +73,9 @@ def train_command(
     if reselect_vocab and not (init_from or twin_init_from):
         raise typer.BadParameter("--reselect-vocab re-chooses the vocabulary of an --init-from drafter; "
                                  "a run without --init-from chooses a fresh one anyway")
+    if schedule_min is not None and (schedule_min <= 0 or time_budget_min is not None):
+        raise typer.BadParameter("--schedule-min takes minutes > 0 and ends the run, annealed; --time-budget-min "
+                                 "pauses one on its step schedule instead: give one of them")
     target_dir = Path(_target_or_default(target))
     specs = [DrafterSpec(out=out, markov_rank=markov_rank, markov_head_type=markov_head,
                          confidence_head=not no_confidence_head, init_from=init_from)]
@@ -84,7 +88,8 @@ def train_command(
     command = "dspark-ctl " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     summary = train_drafters(load_target_caches([Path(c) for c in cache]), target_dir, specs, settings, command=command,
                              time_budget_s=None if time_budget_min is None else time_budget_min * 60,
-                             stop_at=stop_at, progress=not as_json)
+                             stop_at=stop_at, progress=not as_json,
+                             schedule_seconds=None if schedule_min is None else schedule_min * 60)
     typer.echo(json.dumps(summary, indent=None if as_json else 2))
 
 

@@ -277,3 +277,29 @@ def test_ship_refuses_a_run_that_grew_from_other_weights(tmp_path):
     result = _ship(other, run)
     assert result.exit_code == 2 and "did not start from the weights" in result.output
     assert (other / "model.safetensors").read_bytes() == b"other weights"
+
+
+def test_train_cli_ends_an_annealed_run_on_its_minute_schedule(tmp_path):
+    from typer.testing import CliRunner
+
+    from dspark_ctl.cli import app
+    from sglang_dspark.training.target_cache import build_target_cache
+
+    target = make_tiny_target(seed=0, initializer_range=PEAKED_INIT_STD)
+    target.save_pretrained(tmp_path / "target")
+    generator = torch.Generator().manual_seed(0)
+    records = [{"id": f"r{i}", "domain": "math", "prompt_ids": torch.randint(3, 400, (6,), generator=generator).tolist(),
+                "response_ids": torch.randint(3, 400, (30,), generator=generator).tolist()} for i in range(12)]
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    build_target_cache(str(tmp_path / "target"), tmp_path / "records.jsonl", tmp_path / "cache",
+                       list(TINY_LAYER_IDS), top_k=8)
+    common = ["train", "--target", str(tmp_path / "target"), "--cache", str(tmp_path / "cache"),
+              "--out", str(tmp_path / "run"), "--markov-rank", "8", "--block-size", "4", "--draft-vocab", "256",
+              "--anchors", "8", "--steps", "100000", "--eval-every", "100000", "--threads", "1", "--json"]
+    refused = CliRunner().invoke(app, [*common, "--schedule-min", "0.05", "--time-budget-min", "1"])
+    assert refused.exit_code == 2 and "give one of them" in refused.output
+    result = CliRunner().invoke(app, [*common, "--schedule-min", "0.05"])
+    assert result.exit_code == 0, result.output
+    steps = json.loads((tmp_path / "run" / "training.json").read_text())["steps_done"]
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert 0 < steps < 100000 and log[-1]["step"] == steps
