@@ -55,9 +55,10 @@ def check_run(run: Path, into: Path, force: bool) -> dict:
         raise ShipError(f"{run}/training.json does not record the weights the run started from (a run "
                         "without --init-from, or one made before dspark-ctl train recorded them); "
                         "pass --force if it did start from the weights in " + str(into))
-    if started_from is not None and started_from != weights_sha256(into):
+    shipped_sha256 = weights_sha256(into)
+    if started_from is not None and started_from != shipped_sha256:
         raise ShipError(f"{run} did not start from the weights in {into} (sha256 {started_from[:12]}... "
-                        f"against {weights_sha256(into)[:12]}...): shipping it would misstate its history")
+                        f"against {shipped_sha256[:12]}...): shipping it would misstate its history")
     config = json.loads((run / "config.json").read_text())
     if config.get("enable_confidence_head"):
         absent = [name for name in CALIBRATION_FILES if not (run / name).is_file()]
