@@ -12,9 +12,11 @@ import torch
 from sglang_dspark.decoding import SamplingParams, logits_to_probs
 
 
-def reference_probs(logits: list[float], temperature: float, top_p: float, top_k: int) -> list[float]:
-    """SGLang's rule written out longhand: rank by tempered probability, keep rank < top_k and
-    mass-before <= top_p (both on the full distribution), renormalise; T=0 is argmax."""
+def reference_probs(logits: list[float], temperature: float, top_p: float, top_k: int,
+                    min_p: float = 0.0) -> list[float]:
+    """SGLang's rule written out longhand: rank by tempered probability, keep rank < top_k,
+    mass-before <= top_p and probability >= min_p times the largest (all on the full distribution),
+    renormalise; T=0 is argmax."""
     if temperature == 0:
         best = max(range(len(logits)), key=lambda i: logits[i])
         return [1.0 if i == best else 0.0 for i in range(len(logits))]
@@ -27,7 +29,8 @@ def reference_probs(logits: list[float], temperature: float, top_p: float, top_k
     for rank, token in enumerate(order):
         within_k = top_k == 0 or rank < top_k
         within_p = top_p >= 1.0 or mass_before <= top_p
-        if rank == 0 or (within_k and within_p):
+        within_min_p = probs[token] >= min_p * probs[order[0]]
+        if rank == 0 or (within_k and within_p and within_min_p):
             kept[token] = probs[token]
         mass_before += probs[token]
     total_kept = sum(kept)
@@ -74,6 +77,33 @@ def test_large_vocabulary_matches_reference(scale: float, temperature: float, to
     torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-4)
 
 
+MIN_P_SETTINGS = [(1.0, 1.0, 0, 0.1), (0.7, 0.9, 0, 0.05), (1.3, 1.0, 5, 0.2), (2.0, 0.95, 0, 0.5),
+                  (1.0, 1.0, 0, 0.001), (0.0, 1.0, 0, 0.3)]
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "top_k", "min_p"), MIN_P_SETTINGS)
+def test_min_p_matches_reference_rule(temperature: float, top_p: float, top_k: int, min_p: float) -> None:
+    logits = torch.randn(16, 40, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
+    probs = logits_to_probs(logits, SamplingParams.uniform(16, temperature, top_p, top_k, min_p=min_p))
+    expected = torch.tensor(
+        [reference_probs(row.tolist(), temperature, top_p, top_k, min_p) for row in logits], dtype=torch.float32
+    )
+    assert torch.equal(probs > 0, expected > 0), "the kept sets differ"
+    torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_min_p_one_keeps_only_the_most_likely_token_and_mixed_rows_keep_their_own() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4)) * 2
+    params = SamplingParams(temperature=torch.ones(3), top_p=torch.ones(3), top_k=torch.zeros(3, dtype=torch.long),
+                            min_p=torch.tensor([1.0, 0.0, 0.2]))
+    probs = logits_to_probs(logits, params)
+    torch.testing.assert_close(probs[0], torch.nn.functional.one_hot(logits[0].argmax(), 50).float())
+    torch.testing.assert_close(probs[1], torch.softmax(logits[1], -1))
+    alone = logits_to_probs(logits[2:], SamplingParams.uniform(1, 1.0, min_p=0.2))
+    torch.testing.assert_close(probs[2:], alone)
+    assert 1 < int((probs[2] > 0).sum()) < 50
+
+
 def test_nucleus_keeps_the_token_that_crosses_top_p() -> None:
     logits = torch.tensor([[0.5, 0.25, 0.125, 0.125]]).log()
     probs = logits_to_probs(logits, SamplingParams.uniform(1, 1.0, top_p=0.7))
@@ -108,6 +138,8 @@ def test_greedy_is_one_hot_on_argmax() -> None:
         ({"temperature": torch.tensor([1.0]), "top_p": torch.tensor([0.0]), "top_k": torch.tensor([0])}, "top_p"),
         ({"temperature": torch.tensor([1.0]), "top_p": torch.tensor([1.0]), "top_k": torch.tensor([-1])}, "top_k"),
         ({"temperature": torch.tensor([1.0, 1.0]), "top_p": torch.tensor([1.0]), "top_k": torch.tensor([0])}, "one entry per request"),
+        ({"temperature": torch.tensor([1.0]), "top_p": torch.tensor([1.0]), "top_k": torch.tensor([0]),
+          "min_p": torch.tensor([1.5])}, "min_p"),
     ],
 )
 def test_bad_params_fail_with_a_clear_message(kwargs: dict, message: str) -> None:

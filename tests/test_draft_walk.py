@@ -127,6 +127,24 @@ def test_a_mixed_batch_walks_as_sample_block_walks_it(name):
         "every draft lies in its reported top-k / top-p set"
 
 
+def test_min_p_rows_walk_as_sample_block_walks_them():
+    """min-p alone, beside top-p and top-k, at 1 (only the most likely draft) and below the kernel's
+    first floor: each row's reported distribution is `logits_to_probs`'s."""
+    drafter = _drafter(torch.float32, DRAFTERS["dspark, reduced vocabulary"], served_layout=True)
+    params = SamplingParams(temperature=torch.tensor([1.0, 0.8, 1.2, 1.0, 1.0]),
+                            top_p=torch.tensor([1.0, 0.9, 1.0, 1.0, 1.0]), top_k=torch.tensor([0, 0, 30, 0, 0]),
+                            min_p=torch.tensor([0.05, 0.1, 0.01, 1.0, 1e-5]))
+    block = torch.randn(5, 7, 64, generator=torch.Generator().manual_seed(10)) * 4
+    anchors = torch.randint(0, 512, (5,), generator=torch.Generator().manual_seed(11))
+    with torch.inference_mode():
+        want = sample_block(drafter, block, anchors, params, torch.Generator().manual_seed(0))
+        got = KernelWalk(drafter).sampled(block, anchors, params, torch.Generator().manual_seed(0))
+    assert torch.equal(got.probs[:, 0] > 0, want.probs[:, 0] > 0), "the kept sets differ"
+    torch.testing.assert_close(got.probs[:, 0], want.probs[:, 0], rtol=1e-4, atol=1e-6)
+    assert bool(((got.probs[3] > 0).sum(-1) == 1).all()), "min-p 1 keeps only the most likely draft"
+    assert bool((got.token_probs(torch.arange(5).repeat_interleave(7), torch.arange(7).repeat(5)) > 0).all())
+
+
 def test_a_nucleus_reaching_into_the_light_tail_is_cut_exactly():
     """Peaked rows whose top-p set takes tokens under a thousandth of the heaviest one (the kernel
     sorts only the heavy columns first, then widens) keep what `logits_to_probs` keeps."""

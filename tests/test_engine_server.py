@@ -340,9 +340,9 @@ def test_temperature_one_request_completes_and_records_accepted_lengths(servers)
 
 
 def test_top_p_and_top_k_narrowing_sampling_to_one_token_serve_plain_greedy_text(servers, baseline_outputs):
-    """Sampled requests (temperature 1) whose top-p or top-k leaves only the most likely token must
-    serve exactly plain greedy's text: drafts and lookups outside the kept set are all rejected."""
-    narrow = [{"top_p": 1e-6}, {"top_k": 1}, {"top_p": 1e-6, "top_k": 5}]
+    """Sampled requests (temperature 1) whose top-p, top-k or min-p leaves only the most likely token
+    must serve exactly plain greedy's text: drafts and lookups outside the kept set are all rejected."""
+    narrow = [{"top_p": 1e-6}, {"top_k": 1}, {"top_p": 1e-6, "top_k": 5}, {"min_p": 1.0}]
     requests = [(PROMPTS[i], {"temperature": 1.0, "max_new_tokens": MAX_NEW[i], "ignore_eos": True, **extra})
                 for i in (0, 2, 5) for extra in narrow]
     outputs = generate_all(servers["dspark_overlap"].url, requests)
@@ -354,10 +354,11 @@ def test_top_p_and_top_k_narrowing_sampling_to_one_token_serve_plain_greedy_text
 def test_unsupported_sampling_features_are_refused_with_a_reason_not_served_wrongly(servers):
     url = servers["dspark_overlap"].url
     response = httpx.post(f"{url}/generate", timeout=300, json={
-        "text": PROMPTS[1], "sampling_params": greedy(8, frequency_penalty=0.5, min_p=0.1)})
+        "text": PROMPTS[1], "sampling_params": greedy(8, frequency_penalty=0.5, repetition_penalty=1.1)})
     body = response.text
     assert response.status_code == 400, body
-    assert "DSPARK_LIVE does not support" in body and "min_p" in body and "penalty" in body, body
+    assert "DSPARK_LIVE does not support" in body, body
+    assert "frequency/presence_penalty" in body and "repetition_penalty" in body, body
     assert generate(url, PROMPTS[1], **greedy(4, ignore_eos=True))["meta_info"]["completion_tokens"] == 4
 
 

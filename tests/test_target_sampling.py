@@ -85,6 +85,25 @@ def test_top_k_and_top_p_rows_read_logits_to_probs_distribution(vocab):
     assert int((got[5] > 0).sum()) == 1 and 1 < int((got[2] > 0).sum()) <= 20
 
 
+MIN_P = SamplingParams(  # min-p alone, with top-p, with top-k, min-p 1, a min-p under the first floor (1e-3)
+    temperature=torch.tensor([1.0, 0.8, 1.2, 1.0, 1.0]),
+    top_p=torch.tensor([1.0, 0.9, 1.0, 1.0, 1.0]),
+    top_k=torch.tensor([0, 0, 30, 0, 0]),
+    min_p=torch.tensor([0.05, 0.1, 0.01, 1.0, 1e-5]),
+)
+
+
+@pytest.mark.parametrize("vocab", [40, 49152])
+def test_min_p_rows_read_logits_to_probs_distribution(vocab):
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(7)) * 3
+    target = KernelTargetRows(logits, torch.arange(5), MIN_P)
+    want = logits_to_probs(logits, MIN_P)
+    got = target.probs_at(torch.arange(5).repeat_interleave(vocab), torch.arange(vocab).repeat(5)).view(5, vocab)
+    assert torch.equal(got > 0, want > 0), "the kept sets differ"
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-9)
+    assert int((got[3] > 0).sum()) == 1 and int((got[4] > 0).sum()) > int((got[0] > 0).sum()) > 1
+
+
 def test_a_nucleus_reaching_into_the_light_tail_keeps_every_column_it_should():
     """A peaked row whose top-p set takes columns under a thousandth of the heaviest one (the kernel
     sorts only the heavy columns first, then widens)."""

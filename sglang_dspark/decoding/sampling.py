@@ -7,14 +7,15 @@ target would sample from without speculation. Both therefore go through the sing
 
 The transform follows SGLang's native sampler so that a request served with DSpark sees the same
 distribution as without it: divide by the temperature, softmax, then keep a token iff its rank
-(by probability, descending) is below ``top_k`` and the probability mass strictly before it is at
-most ``top_p``, both measured on the full tempered distribution, then renormalise. Temperature 0
-means greedy: the row becomes one-hot on the argmax of the raw logits.
+(by probability, descending) is below ``top_k``, the probability mass strictly before it is at
+most ``top_p`` and its probability is at least ``min_p`` times the largest, all measured on the
+full tempered distribution, then renormalise. Temperature 0 means greedy: the row becomes one-hot
+on the argmax of the raw logits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,23 +30,27 @@ class SamplingParams:
     temperature: ``[B]`` float, ``0`` means greedy (argmax).
     top_p: ``[B]`` float in ``(0, 1]``, ``1`` disables nucleus filtering.
     top_k: ``[B]`` int, ``0`` disables top-k filtering.
+    min_p: ``[B]`` float in ``[0, 1]``, ``0`` (the default when omitted) disables min-p filtering.
     """
 
     temperature: torch.Tensor
     top_p: torch.Tensor
     top_k: torch.Tensor
+    min_p: torch.Tensor = field(default=None)  # type: ignore[assignment]  (zeros when omitted)
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "top_k"):
+        if self.min_p is None:
+            object.__setattr__(self, "min_p", torch.zeros_like(self.temperature, dtype=torch.float32))
+        for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(self, name)
             if not isinstance(value, torch.Tensor) or value.dim() != 1:
                 raise ValueError(f"SamplingParams.{name} must be a 1-D tensor [B], got {value!r}")
-        sizes = {self.temperature.numel(), self.top_p.numel(), self.top_k.numel()}
+        sizes = {self.temperature.numel(), self.top_p.numel(), self.top_k.numel(), self.min_p.numel()}
         if len(sizes) != 1:
             raise ValueError(
                 "SamplingParams tensors must all have one entry per request, got sizes "
                 f"temperature={self.temperature.numel()}, top_p={self.top_p.numel()}, "
-                f"top_k={self.top_k.numel()}"
+                f"top_k={self.top_k.numel()}, min_p={self.min_p.numel()}"
             )
         if bool((self.temperature < 0).any()):
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature.tolist()}")
@@ -53,6 +58,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p.tolist()}")
         if self.top_k.is_floating_point() or bool((self.top_k < 0).any()):
             raise ValueError(f"top_k must be a non-negative integer tensor (0 = off), got {self.top_k!r}")
+        if bool(((self.min_p < 0) | (self.min_p > 1)).any()):
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p.tolist()}")
 
     @classmethod
     def uniform(
@@ -62,12 +69,14 @@ class SamplingParams:
         top_p: float = 1.0,
         top_k: int = 0,
         device: torch.device | str | None = None,
+        min_p: float = 0.0,
     ) -> SamplingParams:
         """The same settings for every one of ``batch_size`` requests."""
         return cls(
             temperature=torch.full((batch_size,), float(temperature), device=device),
             top_p=torch.full((batch_size,), float(top_p), device=device),
             top_k=torch.full((batch_size,), int(top_k), dtype=torch.long, device=device),
+            min_p=torch.full((batch_size,), float(min_p), device=device),
         )
 
     @property
@@ -81,11 +90,11 @@ class SamplingParams:
 
     def select(self, rows: torch.Tensor) -> SamplingParams:
         """The parameters of a subset of rows (index or bool mask)."""
-        return SamplingParams(self.temperature[rows], self.top_p[rows], self.top_k[rows])
+        return SamplingParams(self.temperature[rows], self.top_p[rows], self.top_k[rows], self.min_p[rows])
 
     def to(self, device: torch.device | str) -> SamplingParams:
         return SamplingParams(
-            self.temperature.to(device), self.top_p.to(device), self.top_k.to(device)
+            self.temperature.to(device), self.top_p.to(device), self.top_k.to(device), self.min_p.to(device)
         )
 
 
@@ -94,7 +103,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
     Extra dims between the batch and the vocabulary (e.g. block slots) share their row's
     parameters. Greedy rows become one-hot on the argmax; the others are the tempered softmax
-    restricted by top-k / top-p and renormalised.
+    restricted by top-k / top-p / min-p and renormalised.
     """
     if logits.dim() < 2:
         raise ValueError(f"logits must be [B, ..., V], got shape {tuple(logits.shape)}")
@@ -120,6 +129,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         flat = flat / temperature.unsqueeze(-1)
     probs = torch.softmax(flat, dim=-1)
     probs = _filter_top_k_top_p(probs, per_row(params.top_k), per_row(params.top_p))
+    probs = _filter_min_p(probs, per_row(params.min_p))
     if bool(greedy.any()):
         probs = torch.where(greedy.unsqueeze(-1), _one_hot_argmax(flat), probs)
     return probs.reshape(logits.shape)
@@ -158,6 +168,20 @@ def _filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         if not bool(unresolved.any()):
             break
     return filtered.div_(filtered.sum(-1, keepdim=True))
+
+
+def _filter_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tokens below ``min_p`` times their row's largest probability and renormalise.
+
+    Scaling a row does not move its ratios to the row's largest, so this may follow the top-k /
+    top-p renormalisation and keep the set SGLang's sampler keeps (min-p judged on the full
+    tempered distribution, like top-k / top-p)."""
+    use_min_p = min_p > 0
+    if not bool(use_min_p.any()):
+        return probs
+    threshold = probs.amax(-1) * min_p.to(probs.dtype)
+    probs = probs.masked_fill(use_min_p.unsqueeze(-1) & (probs < threshold.unsqueeze(-1)), 0.0)
+    return probs.div_(probs.sum(-1, keepdim=True))
 
 
 def _nucleus_mask(

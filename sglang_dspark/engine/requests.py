@@ -1,12 +1,13 @@
 """Refuse, per request and with a clear 400, what the DSPARK_LIVE verify path does not implement.
 
-SGLang's own sampler applies grammars, penalties and min-p; the verify path
+SGLang's own sampler applies grammars and penalties; the verify path
 samples with `decoding.verify` instead, so such a request would silently get a different output
 distribution. The plugin hooks the scheduler's request validation (which already aborts a request
 with a message) to say so instead. `min_new_tokens` is served: `min_new_tokens_bans` tells the
 worker which stop tokens to ban on which verify rows, as SGLang's penalizer does; so is
 `return_logprob` (the worker hands SGLang's `compute_spec_logprobs` the verify rows), and so is
-`logit_bias` (the batch's bias rows added to each request's verify rows).
+`logit_bias` (the batch's bias rows added to each request's verify rows), and so is `min_p` (the
+verify path's sampling keeps SGLang's top-k / top-p / min-p set, `decoding.sampling`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ def unsupported_request_reason(req) -> str | None:
     for name in ("json_schema", "regex", "ebnf", "structural_tag"):
         if getattr(params, name, None):
             problems.append(name)
-    if getattr(params, "min_p", 0.0):
-        problems.append("min_p")
     if getattr(params, "frequency_penalty", 0.0) or getattr(params, "presence_penalty", 0.0):
         problems.append("frequency/presence_penalty")
     if getattr(params, "repetition_penalty", 1.0) != 1.0:
@@ -36,7 +35,7 @@ def unsupported_request_reason(req) -> str | None:
     if not problems:
         return None
     return (f"{ALGORITHM_NAME} does not support {', '.join(problems)} yet; supported: temperature, top_p, "
-            "top_k, stop, stop_token_ids, min_new_tokens, max_new_tokens, ignore_eos, logit_bias, return_logprob, "
+            "top_k, min_p, stop, stop_token_ids, min_new_tokens, max_new_tokens, ignore_eos, logit_bias, return_logprob, "
             "streaming")
 
 

@@ -74,7 +74,7 @@ def active_worker() -> "DSparkLiveWorker | None":
 
 
 def sampling_params_of(batch: ScheduleBatch) -> SamplingParams:
-    """Per-request temperature/top-p/top-k from SGLang's batch (its greedy is top_k == 1)."""
+    """Per-request temperature/top-p/top-k/min-p from SGLang's batch (its greedy is top_k == 1)."""
     info = batch.sampling_info
     top_k = info.top_ks.to(torch.long).reshape(-1).cpu()
     greedy = top_k <= 1
@@ -83,6 +83,7 @@ def sampling_params_of(batch: ScheduleBatch) -> SamplingParams:
         temperature=torch.where(greedy, torch.zeros_like(temperature), temperature),
         top_p=info.top_ps.reshape(-1).float().cpu().clamp(min=1e-6, max=1.0),
         top_k=torch.where(greedy | (top_k >= TOP_K_OFF_THRESHOLD), torch.zeros_like(top_k), top_k),
+        min_p=info.min_ps.reshape(-1).float().cpu().clamp(min=0.0, max=1.0),
     )
 
 

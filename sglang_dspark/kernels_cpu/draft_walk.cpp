@@ -45,6 +45,7 @@ struct Walk {
   const float* scale;  // sampled walk: 1 / temperature per row (0: a greedy row); null: all greedy
   const int64_t* top_k;  // sampled walk: [rows], 0 = off
   const float* top_p;  // sampled walk: [rows], 1 = off
+  const float* min_p;  // sampled walk: [rows], 0 = off
   const double* uniforms;  // sampled walk: [rows, width] in [0, 1)
   float* probs;  // sampled walk: [rows, width, draft_vocab], each draft's distribution
 };
@@ -92,10 +93,11 @@ int64_t argmax_scores(const float* scores, int64_t n) {
   return best;
 }
 
-// Zeroes the weights e[0, n) outside the top-k / top-p set (nucleus.h) and returns the sum of those
-// kept (`total` without top-k / top-p).
-double keep_nucleus(float* e, int64_t n, double total, int64_t top_k, float top_p, std::vector<Weighted>& kept) {
-  const bool cut = nucleus(n, top_k, top_p, total, kept, [e, n](float floor, std::vector<Weighted>& heavy) {
+// Zeroes the weights e[0, n) outside the top-k / top-p / min-p set (nucleus.h) and returns the sum of
+// those kept (`total` without any of them).
+double keep_nucleus(float* e, int64_t n, double total, int64_t top_k, float top_p, float min_p,
+                    std::vector<Weighted>& kept) {
+  const bool cut = nucleus(n, top_k, top_p, min_p, total, kept, [e, n](float floor, std::vector<Weighted>& heavy) {
     for (int64_t j = 0; j < n; ++j)
       if (e[j] > 0.0f && e[j] >= floor) heavy.emplace_back(e[j], j);
   });
@@ -109,10 +111,10 @@ double keep_nucleus(float* e, int64_t n, double total, int64_t top_k, float top_
   return sum;
 }
 
-// A draw from softmax(scores * scale) restricted to the top-k / top-p set, with uniform u; that
-// distribution goes to probs[0, n).
-int64_t sample_scores(const float* scores, int64_t n, float scale, int64_t top_k, float top_p, double u, float* probs,
-                      std::vector<Weighted>& order) {
+// A draw from softmax(scores * scale) restricted to the top-k / top-p / min-p set, with uniform u;
+// that distribution goes to probs[0, n).
+int64_t sample_scores(const float* scores, int64_t n, float scale, int64_t top_k, float top_p, float min_p, double u,
+                      float* probs, std::vector<Weighted>& order) {
   const vec16 max = vset1(max_of(scores, n));
   double total = 0.0;  // e_j = exp((s_j - max) scale), 0 below e^-87; chunk sums in a fixed order
   for (int64_t j = 0; j < n; j += 16) {
@@ -122,7 +124,7 @@ int64_t sample_scores(const float* scores, int64_t n, float scale, int64_t top_k
     vstore_masked(probs + j, mask, e);
     total += vreduce_add(e);
   }
-  total = keep_nucleus(probs, n, total, top_k, top_p, order);
+  total = keep_nucleus(probs, n, total, top_k, top_p, min_p, order);
   const double target = u * total;
   double before = 0.0;
   int64_t chosen = -1, last_with_mass = 0;
@@ -167,7 +169,8 @@ void walk_row(const Walk& w, int64_t b, float* scores, float* embedding, std::ve
     float* probs = w.scale == nullptr ? nullptr : w.probs + slot * w.draft_vocab;
     const int64_t chosen = w.scale == nullptr ? argmax_scores(scores, w.draft_vocab)
         : w.scale[b] == 0.0f ? argmax_one_hot(scores, w.draft_vocab, probs)
-        : sample_scores(scores, w.draft_vocab, w.scale[b], w.top_k[b], w.top_p[b], w.uniforms[slot], probs, order);
+        : sample_scores(scores, w.draft_vocab, w.scale[b], w.top_k[b], w.top_p[b], w.min_p[b], w.uniforms[slot], probs,
+                        order);
     prev = w.d2t != nullptr ? w.d2t[chosen] : chosen;
     w.tokens[slot] = prev;
   }
@@ -201,23 +204,24 @@ void dspark_greedy_walk(const void* base, int64_t base_row_stride, int64_t base_
                         int64_t draft_vocab, int bf16, int64_t* tokens, float* confidences, int threads) {
   run_walk(Walk{base, base_row_stride, base_slot_stride, hidden, hidden_row_stride, hidden_slot_stride, hidden_size,
                 anchors, w1, w2, w2_vocab_stride, w2_rank_stride, rank, proj, proj_bias, proj_reads_markov, d2t, rows,
-                width, draft_vocab, tokens, confidences, nullptr, nullptr, nullptr, nullptr, nullptr},
+                width, draft_vocab, tokens, confidences, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr},
            bf16, threads);
 }
 
 // The greedy walk's arguments, then scale [rows] (1 / temperature; 0: greedy), top_k [rows] (0:
-// off), top_p [rows] (1: off), uniforms [rows, width] and probs [rows, width, draft_vocab] (out).
+// off), top_p [rows] (1: off), min_p [rows] (0: off), uniforms [rows, width] and probs [rows, width,
+// draft_vocab] (out).
 void dspark_sampled_walk(const void* base, int64_t base_row_stride, int64_t base_slot_stride, const void* hidden,
                          int64_t hidden_row_stride, int64_t hidden_slot_stride, int64_t hidden_size,
                          const int64_t* anchors, const void* w1, const void* w2, int64_t w2_vocab_stride,
                          int64_t w2_rank_stride, int64_t rank, const void* proj, float proj_bias,
                          int proj_reads_markov, const int64_t* d2t, int64_t rows, int64_t width,
                          int64_t draft_vocab, int bf16, int64_t* tokens, float* confidences, int threads,
-                         const float* scale, const int64_t* top_k, const float* top_p, const double* uniforms,
-                         float* probs) {
+                         const float* scale, const int64_t* top_k, const float* top_p, const float* min_p,
+                         const double* uniforms, float* probs) {
   run_walk(Walk{base, base_row_stride, base_slot_stride, hidden, hidden_row_stride, hidden_slot_stride, hidden_size,
                 anchors, w1, w2, w2_vocab_stride, w2_rank_stride, rank, proj, proj_bias, proj_reads_markov, d2t, rows,
-                width, draft_vocab, tokens, confidences, scale, top_k, top_p, uniforms, probs},
+                width, draft_vocab, tokens, confidences, scale, top_k, top_p, min_p, uniforms, probs},
            bf16, threads);
 }
 }

@@ -46,7 +46,7 @@ def load_draft_walk() -> ctypes.CDLL:
     c = ctypes
     return load_library(SOURCE, {
         "dspark_greedy_walk": WALK_ARGS,
-        "dspark_sampled_walk": WALK_ARGS + [c.c_void_p] * 5,
+        "dspark_sampled_walk": WALK_ARGS + [c.c_void_p] * 6,
     })
 
 
@@ -103,10 +103,11 @@ class KernelWalk:
         scale = torch.where(params.greedy, torch.zeros_like(temperatures), 1.0 / temperatures).contiguous()
         top_k = params.top_k.to(torch.int64).contiguous()
         top_p = params.top_p.to(torch.float32).contiguous()
+        min_p = params.min_p.to(torch.float32).contiguous()
         uniforms = torch.rand(batch, width, dtype=torch.float64, generator=generator)
         probs = torch.empty(batch, width, self.drafter.config.draft_vocab_size, dtype=torch.float32)
         tokens, confidences = self._walk(hidden, anchors, [scale.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
-                                                           uniforms.data_ptr(), probs.data_ptr()])
+                                                           min_p.data_ptr(), uniforms.data_ptr(), probs.data_ptr()])
         return DraftBlock(tokens=tokens, probs=probs, confidence_logits=confidences, probs_vocab=self.drafter.d2t)
 
     def _walk(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling: list | None = None):

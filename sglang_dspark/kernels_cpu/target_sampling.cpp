@@ -1,10 +1,11 @@
-// The target's sampling distributions of verify rows (temperature, top-k, top-p), never materialised.
+// The target's sampling distributions of verify rows (temperature, top-k, top-p, min-p), never
+// materialised.
 //
 // For a row of float32 logits l and inverse temperature s: e_j = exp((l_j - m) s) with m = max l
 // (0 where l_j = -inf or the exponent is below -87), kept only inside the row's top-k / top-p set
-// (nucleus.h), Z = the sum of the kept e, p_j = e_j * (1 / Z). Each row stores its set as a cut:
+// / min-p (nucleus.h), Z = the sum of the kept e, p_j = e_j * (1 / Z). Each row stores its set as a cut:
 // column j is kept iff e_j > cut or (e_j == cut and j <= tie_column), the lightest kept column
-// being (cut, tie_column) since ties go by column (cut -1 for a row without top-k / top-p). Every function
+// being (cut, tie_column) since ties go by column (cut -1 for a row without any of them). Every function
 // computes e_j with the same 16-lane code, so the probability read for acceptance is the one the
 // sampler draws from. Z sums each 16-column chunk in a fixed order (float32), then the chunks in
 // order (float64); sampling walks the same chunk sums to the chunk holding u * Z and then that
@@ -52,12 +53,12 @@ double kept_total(const float* row, int64_t cols, float max, float scale, Cut cu
   return total;
 }
 
-// The row's top-k / top-p cut (nucleus.h), or Cut{-1} without top-k / top-p.
-Cut nucleus_cut(const float* row, int64_t cols, float max, float scale, int64_t top_k, float top_p,
+// The row's top-k / top-p / min-p cut (nucleus.h), or Cut{-1} without any of them.
+Cut nucleus_cut(const float* row, int64_t cols, float max, float scale, int64_t top_k, float top_p, float min_p,
                 std::vector<Weighted>& heavy) {
-  if (!cuts(cols, top_k, top_p)) return Cut{-1.0f, cols};  // (no pass for a total it would not use)
+  if (!cuts(cols, top_k, top_p, min_p)) return Cut{-1.0f, cols};  // (no pass for a total it would not use)
   const double total = kept_total(row, cols, max, scale, Cut{-1.0f, cols});
-  nucleus(cols, top_k, top_p, total, heavy, [&](float floor, std::vector<Weighted>& found) {
+  nucleus(cols, top_k, top_p, min_p, total, heavy, [&](float floor, std::vector<Weighted>& found) {
     alignas(64) float lanes[kLanes];
     for (int64_t j = 0; j < cols; j += kLanes) {
       const vec16 e = chunk_e(row, cols, j, max, scale);
@@ -107,9 +108,10 @@ int64_t inverse_cdf(int64_t cols, double target, Chunk values) {
 extern "C" {
 
 // Per row i of `rows` (indices into logits [*, cols] with row stride `stride`): its max, its cut
-// (top_k[i] 0 and top_p[i] 1: none) and Z.
+// (top_k[i] 0, top_p[i] 1 and min_p[i] 0: none) and Z.
 void dspark_softmax_rows(const float* logits, int64_t stride, int64_t cols, const int64_t* rows, int64_t n,
-                         const float* scale, const int64_t* top_k, const float* top_p, float* maxima,
+                         const float* scale, const int64_t* top_k, const float* top_p, const float* min_p,
+                         float* maxima,
                          float* cut_weights, int64_t* tie_columns, double* totals, int threads) {
 #pragma omp parallel num_threads(threads) if (n * cols >= (int64_t(1) << 18))
   {
@@ -118,7 +120,7 @@ void dspark_softmax_rows(const float* logits, int64_t stride, int64_t cols, cons
     for (int64_t i = 0; i < n; ++i) {
       const float* row = logits + rows[i] * stride;
       maxima[i] = max_of(row, cols);
-      const Cut cut = nucleus_cut(row, cols, maxima[i], scale[i], top_k[i], top_p[i], heavy);
+      const Cut cut = nucleus_cut(row, cols, maxima[i], scale[i], top_k[i], top_p[i], min_p[i], heavy);
       cut_weights[i] = cut.weight;
       tie_columns[i] = cut.tie_column;
       totals[i] = kept_total(row, cols, maxima[i], scale[i], cut);

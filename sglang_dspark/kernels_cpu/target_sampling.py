@@ -35,7 +35,7 @@ def load_target_sampling() -> ctypes.CDLL:
     c = ctypes
     row_stats = [c.c_void_p, c.c_int64, c.c_int64] + [c.c_void_p] * 6  # as _common()
     return load_library(SOURCE, {
-        "dspark_softmax_rows": [c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64] + [c.c_void_p] * 7
+        "dspark_softmax_rows": [c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64] + [c.c_void_p] * 8
                                + [c.c_int],
         "dspark_softmax_at": row_stats + [c.c_void_p, c.c_void_p, c.c_int64, c.c_void_p],
         "dspark_sample_softmax": row_stats + [c.c_void_p, c.c_void_p, c.c_int64, c.c_void_p],
@@ -46,7 +46,7 @@ def load_target_sampling() -> ctypes.CDLL:
 
 def kernel_sampler(logits: torch.Tensor, rows: torch.Tensor, params: SamplingParams) -> "KernelTargetRows | None":
     """A `decoding.TargetSampler`: `KernelTargetRows` for sampled rows (any temperature, top-k,
-    top-p) of float32 CPU logits with unit column stride, else None (greedy rows never come here:
+    top-p, min-p) of float32 CPU logits with unit column stride, else None (greedy rows never come here:
     they accept by argmax)."""
     if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1
             or bool(params.greedy.any())):
@@ -64,13 +64,14 @@ class KernelTargetRows:
         self.scale = (1.0 / params.temperature.to(torch.float32)).contiguous()
         top_k = params.top_k.to(torch.int64).contiguous()
         top_p = params.top_p.to(torch.float32).contiguous()
+        min_p = params.min_p.to(torch.float32).contiguous()
         self.maxima = torch.empty(len(rows), dtype=torch.float32)
         self.cut_weights = torch.empty(len(rows), dtype=torch.float32)
         self.tie_columns = torch.empty(len(rows), dtype=torch.int64)
         self.totals = torch.empty(len(rows), dtype=torch.float64)
         load_target_sampling().dspark_softmax_rows(
             logits.data_ptr(), logits.stride(0), logits.shape[1], self.rows.data_ptr(), len(rows),
-            self.scale.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), self.maxima.data_ptr(),
+            self.scale.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(), self.maxima.data_ptr(),
             self.cut_weights.data_ptr(), self.tie_columns.data_ptr(), self.totals.data_ptr(), torch.get_num_threads())
 
     def _common(self) -> list:
