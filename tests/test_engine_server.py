@@ -269,6 +269,30 @@ def test_logit_bias_steers_greedy_output_like_plain_serving(servers, baseline_ou
 
 
 @pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
+def test_penalties_steer_greedy_output_like_plain_serving(servers, baseline_outputs, flavour):
+    """Frequency, presence and repetition penalties change the text; each verify row must be
+    penalised by the outputs before it (the accepted drafts of its own window too), as each plain
+    decode step is, beside requests without penalties and a sampled one."""
+    penalties = [{"frequency_penalty": 0.7}, {"presence_penalty": 1.2}, {"repetition_penalty": 1.4},
+                 {"frequency_penalty": 0.3, "presence_penalty": 0.3, "repetition_penalty": 1.2}]
+    chosen = (0, 5, 7)
+    requests = [(PROMPTS[i], greedy(MAX_NEW[i], ignore_eos=True, **extra)) for i in chosen for extra in penalties]
+    want = generate_all(servers["baseline"].url, requests)
+    unpenalised = (PROMPTS[2], greedy(40, ignore_eos=True))
+    sampled = (PROMPTS[2], {"temperature": 1.0, "max_new_tokens": 30, "ignore_eos": True, "repetition_penalty": 1.3})
+    *got, got_unpenalised, got_sampled = generate_all(servers[flavour].url, requests + [unpenalised, sampled])
+    changed = [w["output_ids"] != baseline_outputs[PROMPTS.index(prompt)]["output_ids"]
+               for (prompt, _), w in zip(requests, want)]
+    assert sum(changed) >= len(requests) // 2, "the penalties hardly changed plain serving's text"
+    for (prompt, sampling), g, w in zip(requests, got, want):
+        assert g["output_ids"] == w["output_ids"], (prompt, sampling)
+    assert any(g["meta_info"]["spec_verify_ct"] < g["meta_info"]["completion_tokens"] for g in got), \
+        "no penalised request accepted a draft, so no window row was penalised by an earlier draft"
+    assert got_unpenalised["output_ids"] == baseline_outputs[2]["output_ids"][:40]
+    assert got_sampled["meta_info"]["completion_tokens"] == 30
+
+
+@pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
 def test_stop_string_truncates_like_plain_serving(servers, baseline_outputs, flavour):
     reference_text = baseline_outputs[7]["text"]
     stops = []
@@ -354,11 +378,10 @@ def test_top_p_and_top_k_narrowing_sampling_to_one_token_serve_plain_greedy_text
 def test_unsupported_sampling_features_are_refused_with_a_reason_not_served_wrongly(servers):
     url = servers["dspark_overlap"].url
     response = httpx.post(f"{url}/generate", timeout=300, json={
-        "text": PROMPTS[1], "sampling_params": greedy(8, frequency_penalty=0.5, repetition_penalty=1.1)})
+        "text": PROMPTS[1], "sampling_params": greedy(8, regex="[a-z]+")})
     body = response.text
     assert response.status_code == 400, body
-    assert "DSPARK_LIVE does not support" in body, body
-    assert "frequency/presence_penalty" in body and "repetition_penalty" in body, body
+    assert "DSPARK_LIVE does not support regex" in body, body
     assert generate(url, PROMPTS[1], **greedy(4, ignore_eos=True))["meta_info"]["completion_tokens"] == 4
 
 

@@ -647,3 +647,43 @@ def test_stop_bans_cover_only_the_verify_rows_below_their_position():
     # request 0: positions 10, 11 banned, 12 free; request 1: position 4 is not below 4;
     # request 2: all four rows (20..23), and id 99 lies outside the vocabulary
     assert banned == {(0, 2), (0, 7), (1, 2), (1, 7), (4, 5), (5, 5), (6, 5), (7, 5)}
+
+
+def _penalised_req(rid: str, output_ids: list[int], frequency: float = 1.0):
+    from types import SimpleNamespace
+
+    params = SimpleNamespace(frequency_penalty=frequency, presence_penalty=0.0, repetition_penalty=1.0)
+    return SimpleNamespace(rid=rid, sampling_params=params, origin_input_ids=[1, 2, 3], output_ids=output_ids)
+
+
+def test_penalties_follow_the_outputs_the_worker_commits_while_sglangs_lag_a_step():
+    from sglang_dspark.engine.penalties import OutputHistories
+
+    histories = OutputHistories()
+    reqs = [_penalised_req("a", []), _penalised_req("b", [], frequency=0.0)]  # overlap: the prefill's token not yet seen
+    logits = torch.zeros(5, 12)
+    histories.penalise(logits, reqs, bonus=torch.tensor([9, 4]), seq_lens=torch.tensor([3, 3]),
+                       drafts=torch.tensor([[9, 5], [0, 0]]), window_lens=torch.tensor([3, 2]))
+    assert logits[:3, 9].tolist() == [-1.0, -2.0, -2.0] and logits[2, 5] == -1.0
+    assert int((logits != 0).sum()) == 4, "only request a's rows, on tokens it output, are penalised"
+    histories.commit(reqs, torch.tensor([[9, 6, 0], [4, 0, 0]]), accept_lens=torch.tensor([2, 1]))
+
+    reqs[0].output_ids = [9]  # SGLang has processed the prefill only
+    logits = torch.zeros(1, 12)
+    histories.penalise(logits, reqs[:1], bonus=torch.tensor([6]), seq_lens=torch.tensor([5]),
+                       drafts=torch.zeros(1, 0, dtype=torch.long), window_lens=torch.tensor([1]))
+    assert logits[0, 9] == -2.0 and logits[0, 6] == -1.0
+
+
+def test_a_request_prefilled_again_takes_sglangs_outputs_and_unknown_outputs_are_an_error():
+    from sglang_dspark.engine.penalties import OutputHistories
+
+    histories = OutputHistories()
+    logits = torch.zeros(1, 12)
+    retracted = _penalised_req("a", [7, 7, 8])  # its three outputs are prefilled again, the bonus is new
+    histories.penalise(logits, [retracted], bonus=torch.tensor([2]), seq_lens=torch.tensor([6]),
+                       drafts=torch.zeros(1, 0, dtype=torch.long), window_lens=torch.tensor([1]))
+    assert logits[0, [7, 8, 2]].tolist() == [-2.0, -1.0, -1.0]
+    with pytest.raises(RuntimeError, match="only 1 are known"):
+        histories.penalise(logits, [_penalised_req("c", [5])], bonus=torch.tensor([2]), seq_lens=torch.tensor([8]),
+                           drafts=torch.zeros(1, 0, dtype=torch.long), window_lens=torch.tensor([1]))

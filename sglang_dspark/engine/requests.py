@@ -1,13 +1,14 @@
 """Refuse, per request and with a clear 400, what the DSPARK_LIVE verify path does not implement.
 
-SGLang's own sampler applies grammars and penalties; the verify path
-samples with `decoding.verify` instead, so such a request would silently get a different output
-distribution. The plugin hooks the scheduler's request validation (which already aborts a request
-with a message) to say so instead. `min_new_tokens` is served: `min_new_tokens_bans` tells the
+SGLang's own sampler applies grammars; the verify path samples with `decoding.verify` instead,
+so such a request would silently get a different output distribution. The plugin hooks the
+scheduler's request validation (which already aborts a request with a message) to say so instead. `min_new_tokens` is served: `min_new_tokens_bans` tells the
 worker which stop tokens to ban on which verify rows, as SGLang's penalizer does; so is
 `return_logprob` (the worker hands SGLang's `compute_spec_logprobs` the verify rows), and so is
-`logit_bias` (the batch's bias rows added to each request's verify rows), and so is `min_p` (the
-verify path's sampling keeps SGLang's top-k / top-p / min-p set, `decoding.sampling`).
+`logit_bias` (the batch's bias rows added to each request's verify rows), `min_p` (the verify
+path's sampling keeps SGLang's top-k / top-p / min-p set, `decoding.sampling`) and the frequency,
+presence and repetition penalties (each verify row penalised by the outputs before it,
+`engine.penalties`).
 """
 
 from __future__ import annotations
@@ -26,17 +27,13 @@ def unsupported_request_reason(req) -> str | None:
     for name in ("json_schema", "regex", "ebnf", "structural_tag"):
         if getattr(params, name, None):
             problems.append(name)
-    if getattr(params, "frequency_penalty", 0.0) or getattr(params, "presence_penalty", 0.0):
-        problems.append("frequency/presence_penalty")
-    if getattr(params, "repetition_penalty", 1.0) != 1.0:
-        problems.append("repetition_penalty")
     if getattr(req, "custom_logit_processor", None):
         problems.append("custom_logit_processor")
     if not problems:
         return None
     return (f"{ALGORITHM_NAME} does not support {', '.join(problems)} yet; supported: temperature, top_p, "
-            "top_k, min_p, stop, stop_token_ids, min_new_tokens, max_new_tokens, ignore_eos, logit_bias, return_logprob, "
-            "streaming")
+            "top_k, min_p, frequency/presence/repetition_penalty, stop, stop_token_ids, min_new_tokens, max_new_tokens, "
+            "ignore_eos, logit_bias, return_logprob, streaming")
 
 
 @dataclass(frozen=True)

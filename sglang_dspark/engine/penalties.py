@@ -1,0 +1,66 @@
+"""Frequency, presence and repetition penalties on DSPARK_LIVE's verify rows.
+
+SGLang's penalizers count a request's output tokens as its scheduler processes each step's
+result; under the overlap scheduler that lags the verify by a step, and its speculative decode
+path does not feed them at all. The worker therefore keeps each penalised request's output tokens
+itself (it commits them), checks them against the committed length on every step, and penalises
+every verify row by the outputs before it (`decoding.penalties`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_dspark.decoding.penalties import Penalties, penalise_window
+
+
+def penalties_of(sampling_params) -> Penalties:
+    return Penalties(frequency=float(getattr(sampling_params, "frequency_penalty", 0.0) or 0.0),
+                     presence=float(getattr(sampling_params, "presence_penalty", 0.0) or 0.0),
+                     repetition=float(getattr(sampling_params, "repetition_penalty", 1.0) or 1.0))
+
+
+class OutputHistories:
+    """The output tokens, through the bonus token, of each penalised request in the decode batch."""
+
+    def __init__(self) -> None:
+        self._outputs: dict[str, list[int]] = {}
+
+    def penalise(self, logits: torch.Tensor, reqs, bonus: torch.Tensor, seq_lens: torch.Tensor,
+                 drafts: torch.Tensor, window_lens: torch.Tensor) -> None:
+        """Penalise the packed verify rows (request b's `window_lens[b]` rows, its window being the
+        bonus and `drafts[b, :window_lens[b] - 1]`) of every request that sets a penalty. Requests
+        that left the batch are forgotten (a request comes back only by a new prefill)."""
+        kept: dict[str, list[int]] = {}
+        first = 0
+        for b, req in enumerate(reqs):
+            width = int(window_lens[b])
+            penalties = penalties_of(req.sampling_params)
+            if penalties.active:
+                outputs = self._outputs_through_bonus(req, int(bonus[b]), int(seq_lens[b]))
+                kept[req.rid] = outputs
+                penalise_window(logits[first:first + width], torch.tensor(outputs), drafts[b, : width - 1], penalties)
+            first += width
+        self._outputs = kept
+
+    def commit(self, reqs, tokens: torch.Tensor, accept_lens: torch.Tensor) -> None:
+        """After acceptance: request b outputs `tokens[b, :accept_lens[b]]` (accepted drafts, then the next bonus)."""
+        for b, req in enumerate(reqs):
+            outputs = self._outputs.get(req.rid)
+            if outputs is not None:
+                outputs.extend(tokens[b, : int(accept_lens[b])].tolist())
+
+    def _outputs_through_bonus(self, req, bonus: int, seq_len: int) -> list[int]:
+        """The bonus sits at position `seq_len`, so the request has output `seq_len - prompt + 1`
+        tokens. Ours match unless the request is new to decoding or was retracted and prefilled
+        again: then SGLang's `output_ids` (a step behind at most) supply all but the bonus."""
+        count = seq_len - len(req.origin_input_ids) + 1
+        outputs = self._outputs.get(req.rid)
+        if outputs is not None and len(outputs) == count and outputs[-1] == bonus:
+            return outputs
+        known = list(req.output_ids)
+        if len(known) < count - 1:
+            raise RuntimeError(
+                f"DSPARK_LIVE: request {req.rid} has output {count} tokens but only {len(known)} are known; "
+                "its penalties cannot be applied")
+        return known[: count - 1] + [bonus]
