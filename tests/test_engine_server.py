@@ -375,14 +375,36 @@ def test_top_p_and_top_k_narrowing_sampling_to_one_token_serve_plain_greedy_text
         assert out["output_ids"] == want, f"{sampling} did not keep to the most likely token"
 
 
-def test_unsupported_sampling_features_are_refused_with_a_reason_not_served_wrongly(servers):
-    url = servers["dspark_overlap"].url
-    response = httpx.post(f"{url}/generate", timeout=300, json={
-        "text": PROMPTS[1], "sampling_params": greedy(8, regex="[a-z]+")})
-    body = response.text
-    assert response.status_code == 400, body
-    assert "DSPARK_LIVE does not support regex" in body, body
-    assert generate(url, PROMPTS[1], **greedy(4, ignore_eos=True))["meta_info"]["completion_tokens"] == 4
+REGEX = r"(def|class) [a-z_]{1,12}\((self, )?[a-z]{0,6}\):\n    return [a-z0-9 +*]{1,20}\n"
+SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                      "ok": {"type": "boolean"}}, "required": ["name", "ok"]})
+
+
+@pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
+def test_grammar_constrained_output_equals_plain_serving(servers, baseline_outputs, flavour):
+    """A regex and a JSON schema constrain the text; each verify row must be masked by the grammar
+    after the drafts before it, so greedy output equals plain serving's token for token and sampled
+    output keeps to the grammar, beside an unconstrained request in the same batch."""
+    constrained = [(PROMPTS[i], greedy(100, regex=REGEX)) for i in (0, 2)]
+    constrained += [(PROMPTS[i], greedy(100, json_schema=SCHEMA)) for i in (1, 5)]
+    sampled = [(PROMPTS[3], {"temperature": 1.0, "max_new_tokens": 100, "regex": REGEX}),
+               (PROMPTS[4], {"temperature": 1.0, "max_new_tokens": 100, "json_schema": SCHEMA})]
+    want = generate_all(servers["baseline"].url, constrained)
+    *got, regex_sampled, json_sampled, free = generate_all(
+        servers[flavour].url, constrained + sampled + [(PROMPTS[6], greedy(MAX_NEW[6], ignore_eos=True))])
+    for (prompt, sampling), g, w in zip(constrained, got, want):
+        assert g["output_ids"] == w["output_ids"], (prompt, sampling)
+        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"]
+    finished = [g for g in got if g["meta_info"]["finish_reason"]["type"] == "stop"]
+    assert finished, "no constrained request completed its grammar"
+    assert all(re.fullmatch(REGEX, g["text"]) for g in got[:2] if g in finished)
+    assert any(g["meta_info"]["spec_verify_ct"] < g["meta_info"]["completion_tokens"] for g in got), \
+        "no constrained request accepted a draft, so no row was masked after an earlier draft"
+    if regex_sampled["meta_info"]["finish_reason"]["type"] == "stop":
+        assert re.fullmatch(REGEX, regex_sampled["text"]), regex_sampled["text"]
+    if json_sampled["meta_info"]["finish_reason"]["type"] == "stop":
+        assert set(json.loads(json_sampled["text"])) == {"name", "ok"}
+    assert free["output_ids"] == baseline_outputs[6]["output_ids"]
 
 
 def _logprob_fields(meta: dict) -> dict:

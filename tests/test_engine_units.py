@@ -687,3 +687,17 @@ def test_a_request_prefilled_again_takes_sglangs_outputs_and_unknown_outputs_are
     with pytest.raises(RuntimeError, match="only 1 are known"):
         histories.penalise(logits, [_penalised_req("c", [5])], bonus=torch.tensor([2]), seq_lens=torch.tensor([8]),
                            drafts=torch.zeros(1, 0, dtype=torch.long), window_lens=torch.tensor([1]))
+
+
+def test_requests_the_verify_path_cannot_serve_are_refused_with_what_is_supported():
+    from types import SimpleNamespace
+
+    from sglang_dspark.engine.requests import unsupported_request_reason
+
+    served = SimpleNamespace(sampling_params=SimpleNamespace(regex="[a-z]+", frequency_penalty=0.5, min_p=0.1))
+    assert unsupported_request_reason(served) is None
+    refused = SimpleNamespace(sampling_params=served.sampling_params, return_hidden_states=True,
+                              custom_logit_processor="serialized")
+    reason = unsupported_request_reason(refused)
+    assert reason.startswith("DSPARK_LIVE does not support return_hidden_states, custom_logit_processor yet")
+    assert "regex" in reason.split("supported:")[1]

@@ -7,7 +7,7 @@ One decode step, for the whole batch:
 3. verify: ONE target forward over every request's `[bonus, admitted drafts]` (ragged), run as
    `TARGET_VERIFY` so the logits processor keeps every row, and capturing the tapped layers;
 4. accept: first the logit changes SGLang's sampler would make (min_new_tokens bans, frequency /
-   presence / repetition penalties, logit_bias),
+   presence / repetition penalties, grammar masks, logit_bias),
    then greedy rows by argmax match, sampled rows by rejection sampling on the forward's packed
    rows (`decoding.verify_greedy`, `decoding.verify_packed`); logprobs, when asked, from the same
    rows;
@@ -44,6 +44,7 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block, verify_greedy, verify_packed
 from sglang_dspark.decoding.verification import TargetSampler
 from sglang_dspark.engine import verify_attention
+from sglang_dspark.engine.grammar import apply_grammar_masks
 from sglang_dspark.engine.lookup import SlotLookups
 from sglang_dspark.engine.penalties import OutputHistories
 from sglang_dspark.engine.planning import StepDecision, VerifyPlanner
@@ -326,6 +327,8 @@ class DSparkLiveWorker(BaseSpecWorker):
         window_lens = plan.verify_lens + 1
         _ban_stop_tokens(logits, min_new_tokens_bans(batch.reqs), seq_lens, window_lens)
         self.penalised_outputs.penalise(logits, batch.reqs, bonus, seq_lens, drafts, window_lens)
+        if batch.has_grammar:
+            apply_grammar_masks(logits, batch.reqs, bonus, drafts, window_lens, logits.shape[1])
         _add_logit_bias(logits, batch.sampling_info.logit_bias, window_lens)
         # the rows acceptance reads, laid out for SGLang's spec logprobs when a request asks for them
         logprob_rows = _rows_at_stride(logits, window_lens, self.stride) if batch.return_logprob else None
