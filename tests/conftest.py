@@ -19,6 +19,9 @@ FAST_ENGINE_TABLE = Path(__file__).resolve().parent / "data" / "fast-engine-sps.
 SERVER_FLAVOURS = {
     # name: (extra launch_server arguments, extra environment)
     "baseline": ([], {}),
+    # plain serving without overlap: the reference for penalties, which SGLang's overlap scheduler
+    # applies a step late (it reads a request's last output before the previous step is processed)
+    "baseline_sync": (["--disable-overlap-schedule"], {}),
     # verify every draft: uniform windows, overlap scheduling on; prompts over 48 tokens are
     # prefilled in chunks, so the drafter context is seeded chunk by chunk; every step drafts
     "dspark_overlap": (["--speculative-algorithm", "DSPARK_LIVE", "--chunked-prefill-size", "48"],

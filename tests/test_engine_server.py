@@ -269,15 +269,18 @@ def test_logit_bias_steers_greedy_output_like_plain_serving(servers, baseline_ou
 
 
 @pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
-def test_penalties_steer_greedy_output_like_plain_serving(servers, baseline_outputs, flavour):
+def test_penalties_steer_greedy_output_like_plain_serving(servers, server_pool, baseline_outputs, flavour):
     """Frequency, presence and repetition penalties change the text; each verify row must be
     penalised by the outputs before it (the accepted drafts of its own window too), as each plain
-    decode step is, beside requests without penalties and a sampled one."""
+    decode step is, beside requests without penalties and a sampled one. The reference is plain
+    serving without overlap: under overlap SGLang penalises with `output_ids[-1]` before the
+    previous step's result lands (the last prompt token on the first decode), so its penalties
+    lag a token and depend on timing."""
     penalties = [{"frequency_penalty": 0.7}, {"presence_penalty": 1.2}, {"repetition_penalty": 1.4},
                  {"frequency_penalty": 0.3, "presence_penalty": 0.3, "repetition_penalty": 1.2}]
     chosen = (0, 5, 7)
     requests = [(PROMPTS[i], greedy(MAX_NEW[i], ignore_eos=True, **extra)) for i in chosen for extra in penalties]
-    want = generate_all(servers["baseline"].url, requests)
+    want = generate_all(server_pool.get("baseline_sync")[0].url, requests)
     unpenalised = (PROMPTS[2], greedy(40, ignore_eos=True))
     sampled = (PROMPTS[2], {"temperature": 1.0, "max_new_tokens": 30, "ignore_eos": True, "repetition_penalty": 1.3})
     *got, got_unpenalised, got_sampled = generate_all(servers[flavour].url, requests + [unpenalised, sampled])
