@@ -82,6 +82,17 @@ def test_the_planner_verifies_lookup_rows_on_their_own_survivals_and_never_past_
     assert plan.survivals[1, 2:].abs().sum() == 0, "no survival past a row's lookup drafts"
 
 
+def test_the_planner_never_verifies_past_a_draft_the_grammar_refuses(tmp_path, monkeypatch):
+    planner = _production_planner(tmp_path, monkeypatch)
+    rids, context = ["a", "b", "c"], torch.tensor([100, 100, 100])
+    certain = torch.full((3, 7), 8.0)  # the head expects every draft to survive
+    plan = planner.plan(rids, certain, context, grammar_lens=torch.tensor([7, 2, 0]))
+    lens = plan.verify_lens.tolist()
+    assert lens[0] > 2 and 0 < lens[1] <= 2 and lens[2] == 0, lens
+    refused = planner.plan(rids, certain, context, grammar_lens=torch.zeros(3, dtype=torch.long))
+    assert refused.verify_lens.tolist() == [0, 0, 0], "every first draft refused: only the bonus tokens"
+
+
 def test_lookup_rounds_teach_the_lookup_survivals_and_stay_out_of_the_calibration(tmp_path, monkeypatch):
     planner = _production_planner(tmp_path, monkeypatch)
     rids, context = ["a", "b"], torch.tensor([100, 100])

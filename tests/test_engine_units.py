@@ -701,3 +701,63 @@ def test_requests_the_verify_path_cannot_serve_are_refused_with_what_is_supporte
     reason = unsupported_request_reason(refused)
     assert reason.startswith("DSPARK_LIVE does not support return_hidden_states, custom_logit_processor yet")
     assert "regex" in reason.split("supported:")[1]
+
+
+class ScriptedGrammar:
+    """A grammar that allows `script[i]` (a set of token ids) as its i-th token, then terminates;
+    SGLang's grammar-object interface (bitmask of 32 tokens per int32 word)."""
+
+    def __init__(self, script: list[set[int]]) -> None:
+        self.script, self.state = script, 0
+
+    def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device) -> torch.Tensor:
+        return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+    def fill_vocab_mask(self, mask: torch.Tensor, index: int) -> None:
+        bits = [0] * mask.shape[1]
+        for token in self.script[self.state]:
+            bits[token // 32] |= 1 << (token % 32)
+        mask[index] = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32)
+
+    def accept_token(self, token: int) -> None:
+        assert token in self.script[self.state], (token, self.state)
+        self.state += 1
+
+    def rollback(self, count: int) -> None:
+        self.state -= count
+
+    def is_terminated(self) -> bool:
+        return self.state >= len(self.script)
+
+
+def _constrained_req(grammar):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(grammar=grammar, finished=lambda: False)
+
+
+def test_grammar_forces_single_tokens_and_stops_verifying_at_the_first_refused_draft():
+    from sglang_dspark.decoding import DraftBlock
+    from sglang_dspark.engine.grammar import FORCED_CONFIDENCE_LOGIT, guide_drafts
+
+    forcing = ScriptedGrammar([{5}, {1, 2, 3}, {63}, {9}])  # then terminated
+    refusing = ScriptedGrammar([{1, 2}, {3, 4}, {40}, {0}, {0}])
+    sampled = ScriptedGrammar([{6}, {50}, {1}, {1}, {1}])  # 50: outside the 40-token draft vocabulary
+    reqs = [_constrained_req(forcing), _constrained_req(refusing), _constrained_req(sampled),
+            _constrained_req(None)]
+    tokens = torch.tensor([[5, 2, 4, 9, 0], [2, 5, 40, 0, 0], [8, 7, 1, 1, 1], [3, 3, 3, 3, 3]])
+    probs = torch.rand(4, 5, 40)
+    confidences = torch.zeros(4, 5)
+    block = DraftBlock(tokens=tokens.clone(), probs=probs.clone(), confidence_logits=confidences.clone(),
+                       probs_vocab=None)
+    columns = lambda ids: torch.tensor([t if t < 40 else -1 for t in ids])  # noqa: E731
+    limits = guide_drafts(block, reqs, torch.tensor([True, True, False, True]), 64, columns)
+
+    assert limits.tolist() == [4, 1, 1, 5], "terminated after 4, 5 refused, 50 not representable for a sampled row"
+    assert block.tokens[0].tolist() == [5, 2, 63, 9, 0], "the grammar's only token replaces the draft"
+    assert block.tokens[2, 0] == 6 and torch.equal(block.probs[2, 0], torch.nn.functional.one_hot(torch.tensor(6), 40).float())
+    assert block.confidence_logits[0, 2] == FORCED_CONFIDENCE_LOGIT and block.confidence_logits[2, 0] == FORCED_CONFIDENCE_LOGIT
+    assert torch.equal(block.tokens[1], tokens[1]) and torch.equal(block.tokens[3], tokens[3])
+    assert torch.equal(block.probs[[0, 1, 3]], probs[[0, 1, 3]]), "greedy rows' distributions are never read"
+    assert (forcing.state, refusing.state, sampled.state) == (0, 0, 0), "every grammar is rolled back"
+    assert guide_drafts(block, [_constrained_req(None)] * 4, torch.ones(4, dtype=torch.bool), 64, columns) is None

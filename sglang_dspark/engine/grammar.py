@@ -8,12 +8,21 @@ then the drafts), so SGLang's own tree walk for speculative grammars (`traverse_
 row's bitmask: the grammar's allowed next tokens after the drafts before that row, accepting and
 rolling back each draft, and leaving the rows after a draft the grammar refuses unconstrained
 (that draft's target probability is zero, so acceptance stops there).
+
+Before planning, `guide_drafts` walks the same chains: a position where the grammar allows one
+token takes it (accepted for certain), and drafts from the first one the grammar refuses on are
+not verified (rejected for certain), so a constrained request neither wastes verify rows nor loses
+the tokens its grammar dictates.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from sglang.srt.speculative.spec_utils import traverse_tree
+
+from sglang_dspark.decoding import DraftBlock
 
 
 def apply_grammar_masks(logits: torch.Tensor, reqs, bonus: torch.Tensor, drafts: torch.Tensor,
@@ -35,3 +44,86 @@ def apply_grammar_masks(logits: torch.Tensor, reqs, bonus: torch.Tensor, drafts:
                           vocab_size=vocab_size)
         first += width
     grammars[0].apply_vocab_mask(logits, grammars[0].move_vocab_mask(masks, logits.device))
+
+
+FORCED_CONFIDENCE_LOGIT = 20.0
+"""Confidence logit of a draft the grammar forces: the target's masked distribution is a point mass
+on it, so it survives for certain (sigmoid(20) ~ 1 - 2e-9)."""
+
+
+def guide_drafts(draft: DraftBlock, reqs, greedy: torch.Tensor, vocab_size: int,
+                 draft_columns: Callable[[list[int]], torch.Tensor]) -> torch.Tensor | None:
+    """Walk each constrained request's drafts through its grammar before planning.
+
+    Where the grammar allows a single token, that token becomes the draft (the target, masked, is
+    certain of it: jump-forward decoding inside the block) with a point-mass draft distribution
+    for sampled rows (only inside the draft vocabulary, which `draft_columns` maps to; -1 outside).
+    From the first draft the grammar refuses on, every draft is a certain rejection. Returns the
+    drafts worth verifying per request [B] (None: no request has a grammar); the block's tokens,
+    probabilities and confidences are updated in place. Every grammar is rolled back to where it
+    stood."""
+    if not any(req.grammar is not None for req in reqs):
+        return None
+    tokens = draft.tokens.cpu()
+    width = tokens.shape[1]
+    limits = torch.full((len(reqs),), width, dtype=torch.long)
+    forced: list[tuple[int, int, int]] = []  # (request, position, token)
+    for b, req in enumerate(reqs):
+        if req.grammar is None or req.finished():
+            continue
+        limits[b], replaced = _walk_chain(req.grammar, tokens[b].tolist(), vocab_size,
+                                          lambda token: bool(greedy[b]) or int(draft_columns([token])[0]) >= 0)
+        forced += [(b, j, token) for j, token in replaced]
+    if forced:
+        _force(draft, forced, greedy, draft_columns)
+    return limits
+
+
+def _walk_chain(grammar, drafts: list[int], vocab_size: int, representable: Callable[[int], bool]
+                ) -> tuple[int, list[tuple[int, int]]]:
+    """(drafts worth verifying, [(position, forced token)]) of one chain; the grammar ends where it began."""
+    mask = grammar.allocate_vocab_mask(vocab_size=vocab_size, batch_size=1, device="cpu")
+    accepted, replaced, limit = 0, [], len(drafts)
+    try:
+        for j, token in enumerate(drafts):
+            if grammar.is_terminated():
+                limit = j
+                break
+            grammar.fill_vocab_mask(mask, 0)
+            only = _single_allowed(mask[0])
+            if only is not None and only != token and representable(only):
+                replaced.append((j, only))
+                token = only
+            elif not (0 <= token < vocab_size and bool(mask[0, token // 32] >> (token % 32) & 1)):
+                limit = j
+                break
+            grammar.accept_token(token)
+            accepted += 1
+    finally:
+        if accepted:
+            grammar.rollback(accepted)
+    return limit, replaced
+
+
+def _single_allowed(bits: torch.Tensor) -> int | None:
+    """The one token a bitmask row (32 tokens per int32 word) allows, or None."""
+    words = bits.nonzero()
+    if words.numel() != 1:
+        return None
+    index = int(words[0, 0])
+    word = int(bits[index]) & 0xFFFFFFFF
+    return index * 32 + word.bit_length() - 1 if word & (word - 1) == 0 else None
+
+
+def _force(draft: DraftBlock, forced: list[tuple[int, int, int]], greedy: torch.Tensor,
+           draft_columns: Callable[[list[int]], torch.Tensor]) -> None:
+    rows, positions, tokens = (torch.tensor(column) for column in zip(*forced))
+    draft.tokens[rows.to(draft.tokens.device), positions.to(draft.tokens.device)] = tokens.to(draft.tokens.device)
+    if draft.confidence_logits is not None:
+        draft.confidence_logits[rows, positions] = FORCED_CONFIDENCE_LOGIT
+    sampled = ~greedy[rows].bool().cpu()
+    if draft.probs is not None and bool(sampled.any()):
+        rows, positions, tokens = rows[sampled], positions[sampled], tokens[sampled]
+        device = draft.probs.device
+        draft.probs[rows.to(device), positions.to(device)] = 0.0
+        draft.probs[rows.to(device), positions.to(device), draft_columns(tokens.tolist()).to(device)] = 1.0

@@ -273,7 +273,7 @@ class VerifyPlanner:
 
     def plan(self, request_ids: list, confidence_logits: torch.Tensor | None, context_lens: torch.Tensor,
              decision: StepDecision | None = None, greedy: torch.Tensor | None = None,
-             lookup_lens: torch.Tensor | None = None) -> Plan:
+             lookup_lens: torch.Tensor | None = None, grammar_lens: torch.Tensor | None = None) -> Plan:
         """Verify lengths for this step, given the drafts' confidence logits [B, w] (w <= gamma:
         the drafter ran only the decision's draft width; lookup rows may hold up to gamma drafts,
         and a production step that skipped the drafter may still verify its lookup rows').
@@ -284,20 +284,21 @@ class VerifyPlanner:
         `greedy` [B] marks the greedy requests (their own calibration); `lookup_lens` [B] counts the
         lookup drafts (`engine.lookup`) that replaced a request's block (0: none): those rows take
         their temperature class's lookup survivals, and never verify past their lookup drafts, as
-        the drafter's rows never verify past the decision's width."""
+        the drafter's rows never verify past the decision's width. `grammar_lens` [B] caps the drafts
+        of constrained requests where their grammar refuses one (`engine.grammar.guide_drafts`)."""
         batch = len(request_ids)
         decision = decision or self.decide(request_ids, context_lens)
         if confidence_logits is None:
             if self.settings.planner == "production":
                 raise ValueError("the production planner needs a drafter with a confidence head")
             verify_lens = torch.minimum(torch.full((batch,), self._next_static_drafts(), dtype=torch.long),
-                                        _draft_limits(batch, decision.draft_width, lookup_lens))
+                                        _draft_limits(batch, decision.draft_width, lookup_lens, grammar_lens))
             return Plan(verify_lens=verify_lens, capacity=None, predicted_seconds=None, confidence_logits=None,
                         survivals=None, lookup_lens=lookup_lens)
         confidence_logits = confidence_logits[:, : self.gamma].float().cpu()
         width = confidence_logits.shape[1]
         drafted_width = min(width, decision.draft_width)  # the drafter's rows hold this many drafts
-        limits = _draft_limits(batch, drafted_width, lookup_lens)
+        limits = _draft_limits(batch, drafted_width, lookup_lens, grammar_lens)
         # survivals are prefix products: slots past the drafted width (padding here) change none
         # of the first `width`, and neither the verify lengths (limits) nor publish read them
         padded = torch.nn.functional.pad(confidence_logits, (0, self.gamma - width))
@@ -309,9 +310,12 @@ class VerifyPlanner:
             verify_lens = torch.minimum(torch.full((batch,), self._next_static_drafts(), dtype=torch.long), limits)
             return Plan(verify_lens=verify_lens, capacity=None, predicted_seconds=None,
                         confidence_logits=confidence_logits, survivals=survivals[:, :width], lookup_lens=lookup_lens)
-        if not bool((limits > 0).any()):
+        if bool((limits > 0).any()):
+            verify_lens = self.capacity_planner.verify_lens(survivals, limits, float(context_lens.sum()))
+        elif grammar_lens is not None:  # every request's grammar refused its first draft
+            verify_lens = torch.zeros(batch, dtype=torch.long)
+        else:
             raise ValueError("plan() needs drafts: a step decided not to draft, without lookup drafts, takes skipped()")
-        verify_lens = self.capacity_planner.verify_lens(survivals, limits, float(context_lens.sum()))
         if decision.draft:  # a lookup-only step says nothing of what the drafter's rows would survive
             self.capacity_planner.publish(request_ids, survivals, drafted_width)
         shape = self._shape(batch, int(verify_lens.sum()), context_lens)
@@ -436,7 +440,11 @@ class VerifyPlanner:
         return None if shape is None else self.capacity_planner.cost_model.predict(shape)
 
 
-def _draft_limits(batch: int, drafted_width: int, lookup_lens: torch.Tensor | None) -> torch.Tensor:
-    """Drafts each request holds this step [B]: its lookup drafts, else the drafter's width."""
+def _draft_limits(batch: int, drafted_width: int, lookup_lens: torch.Tensor | None,
+                  grammar_lens: torch.Tensor | None = None) -> torch.Tensor:
+    """Drafts each request holds this step [B]: its lookup drafts, else the drafter's width, cut
+    where its grammar refuses a draft."""
     limits = torch.full((batch,), drafted_width, dtype=torch.long)
-    return limits if lookup_lens is None else torch.where(lookup_lens > 0, lookup_lens, limits)
+    if lookup_lens is not None:
+        limits = torch.where(lookup_lens > 0, lookup_lens, limits)
+    return limits if grammar_lens is None else torch.minimum(limits, grammar_lens)

@@ -44,7 +44,7 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block, verify_greedy, verify_packed
 from sglang_dspark.decoding.verification import TargetSampler
 from sglang_dspark.engine import verify_attention
-from sglang_dspark.engine.grammar import apply_grammar_masks
+from sglang_dspark.engine.grammar import apply_grammar_masks, guide_drafts
 from sglang_dspark.engine.lookup import SlotLookups
 from sglang_dspark.engine.penalties import OutputHistories
 from sglang_dspark.engine.planning import StepDecision, VerifyPlanner
@@ -312,8 +312,10 @@ class DSparkLiveWorker(BaseSpecWorker):
                 self.planner.draft_costs.add(len(rows), decision.draft_width, times.block, times.walk)
             draft = block if not has_lookups else self._with_lookup_drafts(block, walked, proposals, params,
                                                                            self.settings.gamma)
+            grammar_lens = guide_drafts(draft, batch.reqs, params.greedy, self.vocab_size, self._draft_columns) \
+                if batch.has_grammar else None
             plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision, greedy=params.greedy,
-                                     lookup_lens=lookup_lens if has_lookups else None)
+                                     lookup_lens=lookup_lens if has_lookups else None, grammar_lens=grammar_lens)
             times.plan, _ = _lap(clock)
             drafts = draft.tokens
         else:  # drafts would cost more than they return: this step is a plain decode step
