@@ -319,6 +319,9 @@ def bench_serve_command(
                                                              "wave of 16 clients x 4 requests repeats none)."),
     temperature: float = typer.Option(0.0, min=0.0, help="Sampling temperature of every request (0: greedy)."),
     top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus sampling of every request (1: off)."),
+    sampling_json: str = typer.Option("", "--sampling-params",
+                                      help="More SGLang sampling parameters of every request, as a JSON object, e.g. "
+                                           "'{\"json_schema\": \"...\"}' or '{\"frequency_penalty\": 0.5}'."),
     dtype: str = typer.Option("bfloat16", help="Same dtype for both arms."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     overlap: bool = typer.Option(True, "--overlap/--no-overlap",
@@ -352,7 +355,7 @@ def bench_serve_command(
     if top_p <= 0.0:
         typer.echo(f"error: --top-p {top_p}: expected a value in (0, 1]", err=True)
         raise typer.Exit(code=2)
-    sampling = {"temperature": temperature, "top_p": top_p}
+    sampling = {"temperature": temperature, "top_p": top_p} | extra_sampling(sampling_json)
     for path in (out, plot_path):
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -392,6 +395,30 @@ def bench_serve_command(
     if failed:
         typer.echo(f"error: the verify-cost measurement failed: {report['verify_cost']['error']}", err=True)
         raise typer.Exit(code=1)
+
+
+OWN_OPTIONS = {"temperature": "--temperature", "top_p": "--top-p", "max_new_tokens": "--max-new-tokens",
+               "ignore_eos": "--ignore-eos/--stop-at-eos"}
+
+
+def extra_sampling(text: str) -> dict:
+    """`--sampling-params`: a JSON object of SGLang sampling parameters, none of those that have their own option."""
+    if not text:
+        return {}
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as error:
+        typer.echo(f"error: --sampling-params is not JSON ({error}); expected an object such as "
+                   "'{\"frequency_penalty\": 0.5}'", err=True)
+        raise typer.Exit(code=2) from None
+    if not isinstance(extra, dict):
+        typer.echo(f"error: --sampling-params must be a JSON object of SGLang sampling parameters, got {text!r}", err=True)
+        raise typer.Exit(code=2)
+    if clash := sorted(OWN_OPTIONS.keys() & extra.keys()):
+        typer.echo(f"error: --sampling-params sets {', '.join(clash)}; use "
+                   f"{', '.join(OWN_OPTIONS[key] for key in clash)} instead", err=True)
+        raise typer.Exit(code=2)
+    return extra
 
 
 def sweep_texts(model_path: str, per_domain: int, long_tokens: int) -> list[str]:

@@ -167,6 +167,26 @@ def test_bench_serve_writes_its_report_to_out_making_the_folder(tmp_path):
     assert json.loads(result.output) == report
 
 
+def test_extra_sampling_params_reach_every_request_and_bad_ones_are_refused(tmp_path):
+    from typer.testing import CliRunner
+
+    from dspark_ctl.cli import app
+
+    def bench(params: str):
+        return CliRunner().invoke(app, ["bench", "serve", "--arms", "", "--model-path", "/t", "--drafter", "/d",
+                                        "--concurrency", "1", "--temperature", "0.5", "--sampling-params", params],
+                                  env={"COLUMNS": "200"})
+
+    result = bench('{"regex": "[a-z]+", "frequency_penalty": 0.5}')
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["config"]["sampling"] == {"temperature": 0.5, "top_p": 1.0, "regex": "[a-z]+",
+                                                               "frequency_penalty": 0.5}
+    for params, message in (("{regex", "is not JSON"), ('["regex"]', "must be a JSON object"),
+                            ('{"temperature": 1.0, "max_new_tokens": 9}', "use --max-new-tokens, --temperature")):
+        result = bench(params)
+        assert result.exit_code == 2 and message in result.output, result.output
+
+
 def test_a_variant_arm_runs_its_base_with_its_own_environment_and_is_compared_to_it(tmp_path):
     from dspark_ctl.bench_serve import arm_launch, parse_arm_env, parse_arms, speedups
 
