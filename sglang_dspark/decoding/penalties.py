@@ -40,17 +40,19 @@ def penalise_window(rows: torch.Tensor, outputs: torch.Tensor, drafts: torch.Ten
     outputs: ``[n]`` the request's output token ids so far, through the bonus token (window token 0).
     drafts: ``[L]`` the window's drafts (window tokens 1..L).
     """
-    width, vocab = rows.shape
+    width = rows.shape[0]
     if drafts.numel() != width - 1:
         raise ValueError(f"a window of {width} rows verifies {width - 1} drafts, got {drafts.numel()}")
-    counts = torch.zeros(width, vocab, dtype=torch.float32, device=rows.device)
-    counts[0].index_add_(0, outputs.to(rows.device, torch.long), torch.ones(outputs.numel(), device=rows.device))
+    # only the tokens output or drafted so far change: count over those columns, not the vocabulary
+    tokens, inverse = torch.cat([outputs, drafts]).to(rows.device, torch.long).unique(return_inverse=True)
+    counts = torch.zeros(width, tokens.numel(), dtype=torch.float32, device=rows.device)
+    counts[0].index_add_(0, inverse[: outputs.numel()], torch.ones(outputs.numel(), device=rows.device))
     if width > 1:  # row j also counts drafts 0..j-1
-        counts[torch.arange(1, width, device=rows.device), drafts.to(rows.device, torch.long)] += 1.0
+        counts[torch.arange(1, width, device=rows.device), inverse[outputs.numel():]] += 1.0
         counts = counts.cumsum_(0)
     seen = counts > 0
-    additive = counts.mul_(penalties.frequency).add_(seen.float().mul_(penalties.presence))
-    rows.sub_(additive.to(rows.dtype))
+    columns = rows[:, tokens] - counts.mul_(penalties.frequency).add_(seen.float().mul_(penalties.presence)).to(rows.dtype)
     if penalties.repetition != 1.0:
-        scaled = torch.where(rows < 0, rows * penalties.repetition, rows / penalties.repetition)
-        rows.copy_(torch.where(seen, scaled, rows))
+        scaled = torch.where(columns < 0, columns * penalties.repetition, columns / penalties.repetition)
+        columns = torch.where(seen, scaled, columns)
+    rows[:, tokens] = columns
