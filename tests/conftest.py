@@ -16,6 +16,8 @@ from server_fixtures import ServerHandle, build_tiny_drafter, build_tiny_target,
 
 PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "cpu-smollm2-135m-target-context.json"
 FAST_ENGINE_TABLE = Path(__file__).resolve().parent / "data" / "fast-engine-sps.json"
+WORTHLESS_DRAFTER_FLAVOURS = {"dspark_skip"}
+"""Flavours served with the drafter of wrong bigrams (`build_tiny_drafter(wrong_bigrams=True)`)."""
 SERVER_FLAVOURS = {
     # name: (extra launch_server arguments, extra environment)
     "baseline": ([], {}),
@@ -31,8 +33,9 @@ SERVER_FLAVOURS = {
     "dspark_sync": (["--speculative-algorithm", "DSPARK_LIVE", "--disable-overlap-schedule"],
                     {"DSPARK_PLANNER": "production", "DSPARK_SPS_PATH": str(PROFILE),
                      "DSPARK_STEP_LOG": "{log_dir}/dspark_sync-steps.jsonl"}),
-    # the production planner over a table of ~1 ms steps: the drafter costs more than its drafts
-    # return, so most steps skip it and now and then a probe drafts; every step is logged
+    # the production planner with a drafter whose drafts the target almost never accepts (over a
+    # table of ~1 ms steps): drafting costs more than it returns, so most steps skip the drafter
+    # and now and then a probe drafts; every step is logged
     "dspark_skip": (["--speculative-algorithm", "DSPARK_LIVE"],
                     {"DSPARK_PLANNER": "production", "DSPARK_SPS_PATH": str(FAST_ENGINE_TABLE),
                      "DSPARK_STEP_LOG": "{log_dir}/dspark_skip-steps.jsonl"}),
@@ -52,8 +55,8 @@ def _free_port() -> int:
 class ServerPool:
     """Starts each flavour at most once per session; `get(*names)` starts missing ones together."""
 
-    def __init__(self, target: Path, drafter: Path, log_dir: Path) -> None:
-        self.target, self.drafter, self.log_dir = target, drafter, log_dir
+    def __init__(self, target: Path, drafter: Path, worthless_drafter: Path, log_dir: Path) -> None:
+        self.target, self.drafter, self.worthless_drafter, self.log_dir = target, drafter, worthless_drafter, log_dir
         self.running: dict[str, ServerHandle] = {}
 
     def get(self, *names: str) -> list[ServerHandle]:
@@ -63,7 +66,8 @@ class ServerPool:
             for name in missing:
                 args, env = SERVER_FLAVOURS[name]
                 if "--speculative-algorithm" in args:
-                    args = [*args, "--speculative-draft-model-path", str(self.drafter)]
+                    drafter = self.worthless_drafter if name in WORTHLESS_DRAFTER_FLAVOURS else self.drafter
+                    args = [*args, "--speculative-draft-model-path", str(drafter)]
                 env = {key: value.format(log_dir=self.log_dir) for key, value in env.items()}
                 specs.append((name, _free_port(), args, env))
             self.running.update(launch_servers(self.target, specs, self.log_dir))
@@ -84,7 +88,9 @@ def tiny_serving_models(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def server_pool(tiny_serving_models, tmp_path_factory):
-    pool = ServerPool(*tiny_serving_models, tmp_path_factory.mktemp("server-logs"))
+    target = tiny_serving_models[0]
+    worthless_drafter = build_tiny_drafter(target, tmp_path_factory.mktemp("worthless-drafter"), wrong_bigrams=True)
+    pool = ServerPool(*tiny_serving_models, worthless_drafter, tmp_path_factory.mktemp("server-logs"))
     yield pool
     pool.stop_all()
 

@@ -105,13 +105,17 @@ def _successor_table(model, vocab_size: int):
 
 
 def build_tiny_drafter(target_folder: Path, folder: Path, block_size: int = 4,
-                       target_layer_ids: tuple[int, ...] = (1, 2)) -> Path:
+                       target_layer_ids: tuple[int, ...] = (1, 2), wrong_bigrams: bool = False) -> Path:
     """A DSpark drafter for the tiny target whose Markov head encodes the target's greedy bigrams.
 
     Random backbone weights would accept almost nothing, leaving the commit-of-accepted-drafts
     path untested; the target's own single-token successor table makes drafts right often enough that server tests see multi-token accepted runs (and wrong often enough
     to exercise rejection). Written with `save_drafter` in the DeepSpec layout, token weights
     omitted: the server shares the target's embedding and lm_head.
+
+    `wrong_bigrams` shifts every successor by one token: drafts the target almost never accepts,
+    so that drafting is not worth its cost whatever the machine's timings (a right drafter's
+    drafts paid for themselves at batch 3 on one run and not on another).
     """
     import torch
     from transformers import LlamaForCausalLM
@@ -132,6 +136,8 @@ def build_tiny_drafter(target_folder: Path, folder: Path, block_size: int = 4,
     torch.manual_seed(0)
     drafter = DSparkDrafter(config, target=target).eval()
     successor = _successor_table(target, vocab)
+    if wrong_bigrams:
+        successor = (successor + 1) % vocab
     with torch.no_grad():
         drafter.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
         w2 = torch.zeros(vocab, vocab)
