@@ -15,6 +15,8 @@ from sglang_dspark.decoding.penalties import Penalties, penalise_window
 
 
 def penalties_of(sampling_params) -> Penalties:
+    """A request's penalties from SGLang's `SamplingParams`; a field it leaves None means off
+    (0 for the additive penalties, 1 for the multiplicative one), as SGLang itself reads them."""
     return Penalties(frequency=float(getattr(sampling_params, "frequency_penalty", 0.0) or 0.0),
                      presence=float(getattr(sampling_params, "presence_penalty", 0.0) or 0.0),
                      repetition=float(getattr(sampling_params, "repetition_penalty", 1.0) or 1.0))
