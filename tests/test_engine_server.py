@@ -479,19 +479,23 @@ def test_a_sampled_row_with_lookup_drafts_beside_greedy_rows_that_draft_is_serve
     request, greedy rows exactly as plain serving. The sampled request (temperature 1e-4: sampled,
     yet as good as greedy) repeats the prompt whose greedy text repeats most, so its lookups match;
     the server drafts every step (a production planner may have learnt to skip the tiny drafter).
-    Whether a step of that shape occurs depends on when requests arrive and finish, so the wave is
-    sent again (at most three times) until one does; every wave's output is checked."""
+    The greedy rows are as long as the sampled one, so they are still running when its text starts
+    to repeat (shorter ones once finished first on a fast machine). Whether a step of that shape
+    occurs still depends on when requests arrive and finish, so the wave is sent again (at most
+    three times) until one does; every wave's output is checked."""
     repetitive = max(range(len(PROMPTS)), key=lambda i: _repeated_trigrams(baseline_outputs[i]["output_ids"]))
     others = [i for i in range(len(PROMPTS)) if i != repetitive][:3]
-    greedy_requests = [(PROMPTS[i], greedy(MAX_NEW[i], ignore_eos=True)) for i in others]
-    sampled = (PROMPTS[repetitive], {"temperature": 1e-4, "max_new_tokens": MAX_NEW[repetitive], "ignore_eos": True})
+    length = MAX_NEW[repetitive]
+    greedy_requests = [(PROMPTS[i], greedy(length, ignore_eos=True)) for i in others]
+    plain = generate_all(servers["baseline"].url, greedy_requests)
+    sampled = (PROMPTS[repetitive], {"temperature": 1e-4, "max_new_tokens": length, "ignore_eos": True})
     wanted: list = []
     for _ in range(3):
         logged_before = len(_step_log(server_pool, "dspark_overlap"))
         outputs = generate_all(servers["dspark_overlap"].url, greedy_requests + [sampled])
-        for got, i in zip(outputs, others):
-            assert got["output_ids"] == baseline_outputs[i]["output_ids"], f"greedy request {i} diverged from plain serving"
-        assert outputs[-1]["meta_info"]["completion_tokens"] == MAX_NEW[repetitive]
+        for got, want, i in zip(outputs, plain, others):
+            assert got["output_ids"] == want["output_ids"], f"greedy request {i} diverged from plain serving"
+        assert outputs[-1]["meta_info"]["completion_tokens"] == length
         steps = _step_log(server_pool, "dspark_overlap")[logged_before:]
         wanted = [step for step in steps if step["drafted"]
                   and any(row["temperature"] > 0 and row["lookup_drafts"] > 0 for row in step["requests"])
