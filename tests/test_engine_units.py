@@ -757,7 +757,54 @@ def test_grammar_forces_single_tokens_and_stops_verifying_at_the_first_refused_d
     assert block.tokens[0].tolist() == [5, 2, 63, 9, 0], "the grammar's only token replaces the draft"
     assert block.tokens[2, 0] == 6 and torch.equal(block.probs[2, 0], torch.nn.functional.one_hot(torch.tensor(6), 40).float())
     assert block.confidence_logits[0, 2] == FORCED_CONFIDENCE_LOGIT and block.confidence_logits[2, 0] == FORCED_CONFIDENCE_LOGIT
+    assert block.confidence_logits[0, 0] == FORCED_CONFIDENCE_LOGIT, "a dictated token drafted already is certain too"
+    assert block.confidence_logits[0, 1] == 0.0, "a token among several allowed keeps the drafter's confidence"
     assert torch.equal(block.tokens[1], tokens[1]) and torch.equal(block.tokens[3], tokens[3])
     assert torch.equal(block.probs[[0, 1, 3]], probs[[0, 1, 3]]), "greedy rows' distributions are never read"
     assert (forcing.state, refusing.state, sampled.state) == (0, 0, 0), "every grammar is rolled back"
     assert guide_drafts(block, [_constrained_req(None)] * 4, torch.ones(4, dtype=torch.bool), 64, columns) is None
+
+
+class _PreferringDrafter:
+    """A drafter over 40 columns (target ids 0..39) whose logits rank token `favourite` first,
+    then lower ids above higher ones."""
+
+    d2t = None
+    has_confidence_head = False
+
+    def __init__(self, favourite: int) -> None:
+        self.favourite = favourite
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = -torch.arange(40, dtype=torch.float32).expand(*hidden.shape[:2], 40).clone()
+        logits[..., self.favourite] = 10.0
+        return logits
+
+    def markov_bias(self, prev_tokens, hidden, state):
+        return torch.zeros(hidden.shape[0], 40), state
+
+
+def test_grammar_steering_drafts_the_drafters_best_allowed_token_and_rolls_every_grammar_back():
+    from sglang_dspark.decoding import SamplingParams, sample_block
+    from sglang_dspark.engine.grammar import GrammarSteering
+
+    steered = ScriptedGrammar([{3, 5}, {20}, {1, 2}])  # then terminated: the drafter's own drafts follow
+    beyond = ScriptedGrammar([{2}, {50}, {1}, {1}])  # 50: outside the 40-token draft vocabulary
+    sampled = ScriptedGrammar([{8, 9, 30}] * 4)
+    reqs = [_constrained_req(steered), _constrained_req(beyond), _constrained_req(None), _constrained_req(sampled)]
+    steering = GrammarSteering(reqs, 64, torch.arange(40))
+    params = SamplingParams(temperature=torch.tensor([0.0, 0.0, 0.0, 1.0]), top_p=torch.ones(4),
+                            top_k=torch.zeros(4, dtype=torch.long))
+    block = sample_block(_PreferringDrafter(favourite=7), torch.zeros(4, 4, 2), torch.tensor([0, 0, 0, 0]), params,
+                         torch.Generator().manual_seed(0), steering=steering)
+    steering.close()
+
+    assert block.tokens[0].tolist() == [3, 20, 1, 7], "the best allowed token, the only one, then the drafter's own"
+    assert block.tokens[1].tolist() == [2, 7, 7, 7], "no allowed token in the draft vocabulary: unsteered from there"
+    assert block.tokens[2].tolist() == [7, 7, 7, 7], "a request without a grammar drafts as before"
+    assert set(block.tokens[3].tolist()) <= {8, 9, 30}
+    allowed = torch.zeros(40, dtype=torch.bool)
+    allowed[[8, 9, 30]] = True
+    assert float(block.probs[3][:, ~allowed].abs().sum()) == 0.0, "a sampled row's p_d is the masked distribution"
+    assert torch.allclose(block.probs[3].sum(-1), torch.ones(4))
+    assert (steered.state, beyond.state, sampled.state) == (0, 0, 0), "every grammar is rolled back"

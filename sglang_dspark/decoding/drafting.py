@@ -9,6 +9,10 @@ where ``transform`` is :func:`logits_to_probs` (the same temperature/top-p/top-k
 uses, or argmax when greedy). Each step is an exact softmax, so the kept fp32 probabilities are
 exactly the p_d that rejection sampling needs. The confidence head scores slot k from h_k and
 the sampled previous token, so it must run inside the walk too.
+
+A ``Steering`` may restrict each slot to some columns (a constrained request's grammar): the slot
+then drafts from its logits with the other columns masked out, and that masked distribution is
+the p_d kept, so rejection sampling stays exact whatever the steering allows.
 """
 
 from __future__ import annotations
@@ -36,19 +40,30 @@ class BlockDrafter(Protocol):
     def confidence_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor: ...
 
 
+class Steering(Protocol):
+    """Which draft columns each slot may propose (for example, what a request's grammar allows next)."""
+
+    def allowed(self, slot: int, prev_tokens: torch.Tensor) -> torch.Tensor | None:
+        """``[B, V_draft]`` bool: the columns slot ``slot`` may draft after ``prev_tokens [B]``
+        (target ids: the anchors at slot 0, then the previous slot's drafts). Every row allows at
+        least one column; None restricts nothing."""
+        ...
+
+
 def sample_block(
     drafter: BlockDrafter,
     hidden: torch.Tensor,
     anchors: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    steering: Steering | None = None,
 ) -> DraftBlock:
     """Walk the block ``hidden [B, gamma, d]`` from ``anchors [B]`` (target ids).
 
     Returns drafts as target ids, their fp32 distributions (``None`` if every row is greedy) over
     the drafter's vocabulary, whose target ids are ``probs_vocab`` (the drafter's ``d2t``; None for
     a full-vocabulary drafter), and the confidence logits (``None`` for a drafter without a
-    confidence head).
+    confidence head). ``steering`` masks each slot's logits to the columns it allows.
     """
     if hidden.dim() != 3 or anchors.shape != (hidden.shape[0],):
         raise ValueError(
@@ -70,6 +85,9 @@ def sample_block(
             confidences.append(drafter.confidence_logits(slot_hidden, prev).float())
         bias, state = drafter.markov_bias(prev, slot_hidden, state)
         logits = base[:, slot].float() + bias.float()
+        allowed = None if steering is None else steering.allowed(slot, prev)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
         if all_greedy:
             draft_ids = logits.argmax(-1)
         else:

@@ -9,6 +9,13 @@ row's bitmask: the grammar's allowed next tokens after the drafts before that ro
 rolling back each draft, and leaving the rows after a draft the grammar refuses unconstrained
 (that draft's target probability is zero, so acceptance stops there).
 
+While the drafter walks its block, `GrammarSteering` shows it what each constrained request's
+grammar allows next: each slot drafts the drafter's best allowed token (sampled rows: a draw from
+the drafter's distribution masked to the allowed tokens, which is then their p_d), so a draft
+the grammar would refuse is never proposed where the draft vocabulary holds an allowed one
+(unsteered, one refused draft ended the drafts worth verifying, even where the drafter ranked an
+allowed token second).
+
 Before planning, `guide_drafts` walks the same chains: a position where the grammar allows one
 token takes it (accepted for certain), and drafts from the first one the grammar refuses on are
 not verified (rejected for certain), so a constrained request neither wastes verify rows nor loses
@@ -46,6 +53,59 @@ def apply_grammar_masks(logits: torch.Tensor, reqs, bonus: torch.Tensor, drafts:
     grammars[0].apply_vocab_mask(logits, grammars[0].move_vocab_mask(masks, logits.device))
 
 
+class GrammarSteering:
+    """A `decoding.Steering` over the constrained requests of one block walk.
+
+    At slot 0 each grammar stands after the request's bonus token (SGLang advanced it); before
+    each later slot it accepts the slot before's draft, and `close` rolls every grammar back. A
+    row whose grammar has terminated, or allows no token of the draft vocabulary, is no longer
+    steered: its drafts from there on are the drafter's own, and `guide_drafts` verifies none of
+    them."""
+
+    def __init__(self, reqs, vocab_size: int, draft_ids: torch.Tensor) -> None:
+        """`draft_ids` [V_draft]: the target id of each draft column."""
+        self._grammars = [None if req.grammar is None or req.finished() else req.grammar for req in reqs]
+        self._steered = list(self._grammars)
+        self._accepted = [0] * len(reqs)
+        draft_ids = draft_ids.to(device="cpu", dtype=torch.long)
+        self._in_vocab = (draft_ids >= 0) & (draft_ids < vocab_size)
+        safe = torch.where(self._in_vocab, draft_ids, 0)
+        self._word, self._bit = safe // 32, (safe % 32).to(torch.int32)
+        first = next((grammar for grammar in self._grammars if grammar is not None), None)
+        self._mask = None if first is None else first.allocate_vocab_mask(vocab_size=vocab_size, batch_size=1,
+                                                                           device="cpu")
+
+    @property
+    def steers(self) -> bool:
+        """Whether any request of the walk has a grammar to steer by."""
+        return self._mask is not None
+
+    def allowed(self, slot: int, prev_tokens: torch.Tensor) -> torch.Tensor:
+        masks = torch.ones(len(self._steered), self._word.numel(), dtype=torch.bool)
+        for row, grammar in enumerate(self._steered):
+            if grammar is None:
+                continue
+            if slot > 0:
+                grammar.accept_token(int(prev_tokens[row]))
+                self._accepted[row] += 1
+            allowed = None
+            if not grammar.is_terminated():
+                grammar.fill_vocab_mask(self._mask, 0)
+                allowed = ((self._mask[0, self._word] >> self._bit) & 1).bool() & self._in_vocab
+            if allowed is None or not bool(allowed.any()):
+                self._steered[row] = None
+            else:
+                masks[row] = allowed
+        return masks
+
+    def close(self) -> None:
+        """Roll every grammar back to where the walk found it."""
+        for row, grammar in enumerate(self._grammars):
+            if self._accepted[row]:
+                grammar.rollback(self._accepted[row])
+        self._accepted = [0] * len(self._accepted)
+
+
 FORCED_CONFIDENCE_LOGIT = 20.0
 """Confidence logit of a draft the grammar forces: the target's masked distribution is a point mass
 on it, so it survives for certain (sigmoid(20) ~ 1 - 2e-9)."""
@@ -55,9 +115,10 @@ def guide_drafts(draft: DraftBlock, reqs, greedy: torch.Tensor, vocab_size: int,
                  draft_columns: Callable[[list[int]], torch.Tensor]) -> torch.Tensor | None:
     """Walk each constrained request's drafts through its grammar before planning.
 
-    Where the grammar allows a single token, that token becomes the draft (the target, masked, is
-    certain of it: jump-forward decoding inside the block) with a point-mass draft distribution
-    for sampled rows (only inside the draft vocabulary, which `draft_columns` maps to; -1 outside).
+    Where the grammar allows a single token, that token becomes the draft, with a certain
+    confidence (the target, masked, is certain of it: jump-forward decoding inside the block) and,
+    for sampled rows, a point-mass draft distribution (only inside the draft vocabulary, which
+    `draft_columns` maps to; -1 outside).
     From the first draft the grammar refuses on, every draft is a certain rejection. Returns the
     drafts worth verifying per request [B] (None: no request has a grammar); the block's tokens,
     probabilities and confidences are updated in place. Every grammar is rolled back to where it
@@ -91,7 +152,7 @@ def _walk_chain(grammar, drafts: list[int], vocab_size: int, representable: Call
                 break
             grammar.fill_vocab_mask(mask, 0)
             only = _single_allowed(mask[0])
-            if only is not None and only != token and representable(only):
+            if only is not None and representable(only):  # certain, drafted already (steered) or not
                 replaced.append((j, only))
                 token = only
             elif not (0 <= token < vocab_size and bool(mask[0, token // 32] >> (token % 32) & 1)):

@@ -44,7 +44,7 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block, verify_greedy, verify_packed
 from sglang_dspark.decoding.verification import TargetSampler
 from sglang_dspark.engine import verify_attention
-from sglang_dspark.engine.grammar import apply_grammar_masks, guide_drafts
+from sglang_dspark.engine.grammar import GrammarSteering, apply_grammar_masks, guide_drafts
 from sglang_dspark.engine.lookup import SlotLookups
 from sglang_dspark.engine.penalties import OutputHistories
 from sglang_dspark.engine.planning import StepDecision, VerifyPlanner
@@ -307,7 +307,9 @@ class DSparkLiveWorker(BaseSpecWorker):
                 caught_up = self._catch_up(own[0], own[2])
                 times.catch_up, clock = _lap(clock)
                 self.planner.draft_costs.add_catch_up(caught_up, times.catch_up)
-                block = self._draft_block(own[0], own[1], own[3], decision.draft_width, times)
+                constrained = None if not batch.has_grammar else (
+                    batch.reqs if every_row else [batch.reqs[int(row)] for row in rows])
+                block = self._draft_block(own[0], own[1], own[3], decision.draft_width, times, constrained)
                 clock = time.perf_counter()
                 self.planner.draft_costs.add(len(rows), decision.draft_width, times.block, times.walk)
             draft = block if not has_lookups else self._with_lookup_drafts(block, walked, proposals, params,
@@ -378,12 +380,21 @@ class DSparkLiveWorker(BaseSpecWorker):
         )
 
     def _draft_block(self, slots: torch.Tensor, bonus: torch.Tensor, params: SamplingParams, width: int,
-                     times: DraftTimes) -> DraftBlock:
-        """The drafter's block forward and Markov walk for these requests (timed into `times`)."""
+                     times: DraftTimes, reqs: list | None = None) -> DraftBlock:
+        """The drafter's block forward and Markov walk for these requests (timed into `times`).
+        `reqs` (given when the batch holds grammars): the walk is steered by their grammars, in
+        Python, since the kernel walk takes no masks."""
         clock = time.perf_counter()
         hidden = self.drafter.forward_block(self.context, slots, bonus, width)
         times.block, clock = _lap(clock)
-        if self.kernel_walk is not None and bool(params.greedy.all()):
+        steering = None if reqs is None else GrammarSteering(reqs, self.vocab_size, self._draft_ids)
+        if steering is not None and steering.steers:
+            try:
+                draft = sample_block(self.drafter, hidden, bonus.to(self.device), params.to(self.device),
+                                     self.generator, steering=steering)
+            finally:
+                steering.close()
+        elif self.kernel_walk is not None and bool(params.greedy.all()):
             draft = self.kernel_walk.greedy(hidden, bonus)
         elif self.kernel_walk is not None:
             draft = self.kernel_walk.sampled(hidden, bonus, params, self.generator)
@@ -412,6 +423,11 @@ class DSparkLiveWorker(BaseSpecWorker):
     def _d2t_cpu(self) -> torch.Tensor | None:
         """The draft-to-target id map on the CPU, where lookups are proposed (copied once, not per row)."""
         return None if self.drafter.d2t is None else self.drafter.d2t.cpu()
+
+    @cached_property
+    def _draft_ids(self) -> torch.Tensor:
+        """The target id of each column of the drafter's logits."""
+        return self._d2t_cpu if self._d2t_cpu is not None else torch.arange(self.drafter.config.vocab_size)
 
     def _draft_columns(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
         """Target token ids -> their columns in the draft distribution (-1: outside the draft vocabulary)."""
