@@ -95,11 +95,15 @@ def _draft_folder(tmp_path, block_size=4, confidence_head=True):
 
 
 def test_settings_default_to_checkpoint_block_size_and_verify_all(tmp_path, monkeypatch):
-    for name in ("DSPARK_GAMMA", "DSPARK_PLANNER", "DSPARK_SPS_PATH", "DSPARK_STS_PATH", "DSPARK_LOOKUP"):
+    for name in ("DSPARK_GAMMA", "DSPARK_PLANNER", "DSPARK_SPS_PATH", "DSPARK_STS_PATH", "DSPARK_LOOKUP",
+                 "DSPARK_GRAMMAR_STEERING"):
         monkeypatch.delenv(name, raising=False)
     settings = load_settings(_draft_folder(tmp_path))
     assert (settings.gamma, settings.verify_window, settings.planner) == (4, 5, "all")
     assert settings.lookup == "on", "every request may draft from its own text unless told otherwise"
+    assert settings.grammar_steering, "constrained requests steer the drafter unless told otherwise"
+    monkeypatch.setenv("DSPARK_GRAMMAR_STEERING", "off")
+    assert not load_settings(_draft_folder(tmp_path)).grammar_steering
 
 
 def test_the_cost_model_for_the_served_dtype_wins_over_the_generic_one(tmp_path, monkeypatch):
@@ -152,6 +156,7 @@ def test_a_cpu_server_picks_the_cost_model_measured_on_its_instruction_set(tmp_p
     ("DSPARK_RECALIBRATE_EVERY", "10", "0 \\(never\\) or at least 64 rounds"),
     ("DSPARK_RECALIBRATE_EVERY", "-1", "expected an integer >= 0"),
     ("DSPARK_LOOKUP", "sampled", "expected one of on, greedy, off"),
+    ("DSPARK_GRAMMAR_STEERING", "yes", "expected on or off"),
 ])
 def test_bad_knobs_fail_with_what_was_expected(tmp_path, monkeypatch, name, value, message):
     monkeypatch.setenv(name, value)

@@ -18,6 +18,7 @@ process, with a clear error for a bad value:
 | `DSPARK_PREFIX_CACHE` | `on` | keep SGLang's radix (prefix) cache: the worker stores every committed token's taps beside its KV slot (the tap store, one row per KV slot), so a prefix served from the cache seeds the drafter's context without a target forward; `off` disables the radix cache |
 | `DSPARK_SERVED_OFFSETS` | `on` | with the production planner, correct each temperature class's calibration per draft position by an offset learnt from the server's own verify rounds (`calibration.served_offsets`: on served greedy traffic the offline calibration under-predicted acceptance from position 2 on, so the early stop refused drafts that paid); `off`: the calibration files (and live refits) alone |
 | `DSPARK_LOOKUP` | `on` | lookup drafts: where a request's last 2-4 tokens occurred before in its prompt or output, the tokens that followed their latest occurrence are verified instead of the drafter's block (`engine.lookup`; lossless like any draft: a sampled request's lookup is a point-mass proposal under rejection sampling; their survivals are learnt from served lookup rounds, per temperature class); `greedy`: greedy requests only; `off`: the drafter's blocks only |
+| `DSPARK_GRAMMAR_STEERING` | `on` | a constrained request's grammar steers the drafter's walk (each slot drafts the best token the grammar allows; `engine.grammar.GrammarSteering`), walked in Python; `off`: the walk kernel drafts unconstrained and drafts are only cut where the grammar refuses one |
 | `DSPARK_VERIFY_ATTENTION` | `linear` | CPU verify attention: `linear` (the window's queries over the request's KV only: the paged kernel, or SDPA with `DSPARK_CPU_ATTENTION=sdpa`) or `native` (SGLang torch_native extend, re-attends the prefix) |
 """
 
@@ -61,6 +62,7 @@ class LiveSettings:
     recalibrate_every: int = 0
     served_offsets: bool = False
     lookup: str = "off"  # LOOKUP_MODES: which requests may draft from their own text
+    grammar_steering: bool = False  # constrained requests' grammars steer the drafter's walk
 
     @property
     def verify_window(self) -> int:
@@ -169,6 +171,9 @@ def load_settings(draft_path: str | Path, dtype: str | None = None, device: str 
     lookup = os.environ.get("DSPARK_LOOKUP", "on").strip().lower()
     if lookup not in LOOKUP_MODES:
         raise SettingsError(f"DSPARK_LOOKUP={lookup!r}: expected one of {', '.join(LOOKUP_MODES)}")
+    grammar_steering = os.environ.get("DSPARK_GRAMMAR_STEERING", "on").strip().lower()
+    if grammar_steering not in ("on", "off"):
+        raise SettingsError(f"DSPARK_GRAMMAR_STEERING={grammar_steering!r}: expected on or off")
     draft_dtype = os.environ.get("DSPARK_DRAFT_DTYPE", "auto").strip().lower()
     if draft_dtype not in DRAFT_DTYPES:
         raise SettingsError(f"DSPARK_DRAFT_DTYPE={draft_dtype!r}: expected one of {', '.join(DRAFT_DTYPES)}")
@@ -190,4 +195,5 @@ def load_settings(draft_path: str | Path, dtype: str | None = None, device: str 
         recalibrate_every=_recalibrate_every(),
         served_offsets=served_offsets == "on",
         lookup=lookup,
+        grammar_steering=grammar_steering == "on",
     )

@@ -307,7 +307,7 @@ class DSparkLiveWorker(BaseSpecWorker):
                 caught_up = self._catch_up(own[0], own[2])
                 times.catch_up, clock = _lap(clock)
                 self.planner.draft_costs.add_catch_up(caught_up, times.catch_up)
-                constrained = None if not batch.has_grammar else (
+                constrained = None if not (batch.has_grammar and self.settings.grammar_steering) else (
                     batch.reqs if every_row else [batch.reqs[int(row)] for row in rows])
                 block = self._draft_block(own[0], own[1], own[3], decision.draft_width, times, constrained)
                 clock = time.perf_counter()
