@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 from sglang.srt.speculative.spec_utils import traverse_tree
 
@@ -68,35 +69,37 @@ class GrammarSteering:
         self._steered = list(self._grammars)
         self._accepted = [0] * len(reqs)
         draft_ids = draft_ids.to(device="cpu", dtype=torch.long)
-        self._in_vocab = (draft_ids >= 0) & (draft_ids < vocab_size)
-        safe = torch.where(self._in_vocab, draft_ids, 0)
-        self._word, self._bit = safe // 32, (safe % 32).to(torch.int32)
+        self._draft_ids = draft_ids.clamp(0, vocab_size - 1).numpy()
+        self._in_vocab = ((draft_ids >= 0) & (draft_ids < vocab_size)).numpy()
+        self._vocab_size = vocab_size
         first = next((grammar for grammar in self._grammars if grammar is not None), None)
-        self._mask = None if first is None else first.allocate_vocab_mask(vocab_size=vocab_size, batch_size=1,
-                                                                           device="cpu")
+        self._masks = None if first is None else first.allocate_vocab_mask(
+            vocab_size=vocab_size, batch_size=len(reqs), device="cpu")
 
     @property
     def steers(self) -> bool:
         """Whether any request of the walk has a grammar to steer by."""
-        return self._mask is not None
+        return self._masks is not None
 
     def allowed(self, slot: int, prev_tokens: torch.Tensor) -> torch.Tensor:
-        masks = torch.ones(len(self._steered), self._word.numel(), dtype=torch.bool)
+        self._masks.fill_(-1)  # every token allowed: rows without a grammar to steer by
         for row, grammar in enumerate(self._steered):
             if grammar is None:
                 continue
             if slot > 0:
                 grammar.accept_token(int(prev_tokens[row]))
                 self._accepted[row] += 1
-            allowed = None
-            if not grammar.is_terminated():
-                grammar.fill_vocab_mask(self._mask, 0)
-                allowed = ((self._mask[0, self._word] >> self._bit) & 1).bool() & self._in_vocab
-            if allowed is None or not bool(allowed.any()):
+            if grammar.is_terminated():
                 self._steered[row] = None
             else:
-                masks[row] = allowed
-        return masks
+                grammar.fill_vocab_mask(self._masks, row)
+        # one unpack for the whole batch: 32 tokens per int32 word, lowest bit first
+        bits = np.unpackbits(self._masks.numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = bits[:, self._draft_ids].astype(bool) & self._in_vocab
+        for row in np.flatnonzero(~allowed.any(axis=1)):  # nothing the drafter can propose: leave it be
+            self._steered[row] = None
+            allowed[row] = True
+        return torch.from_numpy(allowed)
 
     def close(self) -> None:
         """Roll every grammar back to where the walk found it."""
