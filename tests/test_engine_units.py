@@ -813,3 +813,37 @@ def test_grammar_steering_drafts_the_drafters_best_allowed_token_and_rolls_every
     assert float(block.probs[3][:, ~allowed].abs().sum()) == 0.0, "a sampled row's p_d is the masked distribution"
     assert torch.allclose(block.probs[3].sum(-1), torch.ones(4))
     assert (steered.state, beyond.state, sampled.state) == (0, 0, 0), "every grammar is rolled back"
+
+
+def test_a_walked_block_is_walked_again_steered_only_from_the_first_draft_its_grammar_refuses():
+    from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block
+    from sglang_dspark.engine.grammar import steer_walked_block
+
+    allowing = ScriptedGrammar([{4, 5}, {6}, {7, 8}, {9}])  # every draft below allowed
+    refusing = ScriptedGrammar([{4}, {6}, {20, 21}, {3}])  # refuses the draft at slot 2
+    sampled = ScriptedGrammar([{1, 2, 3}, {2, 3}, {3}, {3}])
+    reqs = [_constrained_req(allowing), _constrained_req(refusing), _constrained_req(None), _constrained_req(sampled)]
+    tokens = torch.tensor([[5, 6, 8, 9], [4, 6, 7, 9], [30, 31, 32, 33], [2, 3, 3, 3]])
+    probs = torch.rand(4, 4, 40)
+    block = DraftBlock(tokens=tokens.clone(), probs=probs.clone(), confidence_logits=torch.zeros(4, 4), probs_vocab=None)
+    params = SamplingParams(temperature=torch.tensor([0.0, 0.0, 0.0, 1.0]), top_p=torch.ones(4),
+                            top_k=torch.zeros(4, dtype=torch.long))
+    hidden, calls = torch.zeros(4, 4, 2), []
+
+    def rewalk(row, slot, anchor, steering):
+        calls.append((row, slot, anchor))
+        return sample_block(_PreferringDrafter(favourite=30), hidden[row:row + 1, slot:], torch.tensor([anchor]),
+                            params.select(torch.tensor([row])), torch.Generator().manual_seed(0), steering=steering)
+
+    steer_walked_block(block, reqs, params.greedy, torch.tensor([1, 2, 3, 4]), 64, torch.arange(40), rewalk)
+
+    assert calls == [(1, 2, 6)], "only the refusing row is walked again, from the refused slot, after the draft before"
+    assert block.tokens[1].tolist() == [4, 6, 20, 3], "the best allowed token, then what the grammar allows"
+    assert torch.equal(block.tokens[[0, 2, 3]], tokens[[0, 2, 3]]), "allowed drafts stand"
+    kept = torch.zeros(4, 40)
+    kept[0, [1, 2, 3]] = probs[3, 0, [1, 2, 3]] / probs[3, 0, [1, 2, 3]].sum()
+    kept[1, [2, 3]] = probs[3, 1, [2, 3]] / probs[3, 1, [2, 3]].sum()
+    kept[2:, 3] = 1.0
+    assert torch.allclose(block.probs[3], kept), "a kept sampled draft's p_d is the drafter's masked to the grammar"
+    assert torch.equal(block.probs[[0, 1, 2]][:, :2], probs[[0, 1, 2]][:, :2])
+    assert (allowing.state, refusing.state, sampled.state) == (0, 0, 0), "every grammar is rolled back"

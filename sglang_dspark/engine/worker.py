@@ -44,7 +44,8 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block, verify_greedy, verify_packed
 from sglang_dspark.decoding.verification import TargetSampler
 from sglang_dspark.engine import verify_attention
-from sglang_dspark.engine.grammar import GrammarSteering, apply_grammar_masks, guide_drafts
+from sglang_dspark.engine.grammar import (GrammarSteering, Rewalk, apply_grammar_masks, guide_drafts,
+                                          steer_walked_block)
 from sglang_dspark.engine.lookup import SlotLookups
 from sglang_dspark.engine.penalties import OutputHistories
 from sglang_dspark.engine.planning import StepDecision, VerifyPlanner
@@ -382,26 +383,38 @@ class DSparkLiveWorker(BaseSpecWorker):
     def _draft_block(self, slots: torch.Tensor, bonus: torch.Tensor, params: SamplingParams, width: int,
                      times: DraftTimes, reqs: list | None = None) -> DraftBlock:
         """The drafter's block forward and Markov walk for these requests (timed into `times`).
-        `reqs` (given when the batch holds grammars): the walk is steered by their grammars, in
-        Python, since the kernel walk takes no masks."""
+        `reqs` (given when the batch holds grammars to steer by): the walk kernel walks first and
+        rows are walked again, steered, from a draft their grammar refuses; without the kernel
+        the whole walk is steered (`engine.grammar`)."""
         clock = time.perf_counter()
         hidden = self.drafter.forward_block(self.context, slots, bonus, width)
         times.block, clock = _lap(clock)
-        steering = None if reqs is None else GrammarSteering(reqs, self.vocab_size, self._draft_ids)
-        if steering is not None and steering.steers:
+        if self.kernel_walk is None:
+            steering = None if reqs is None else GrammarSteering(reqs, self.vocab_size, self._draft_ids)
             try:
                 draft = sample_block(self.drafter, hidden, bonus.to(self.device), params.to(self.device),
-                                     self.generator, steering=steering)
+                                     self.generator, steering=steering if steering and steering.steers else None)
             finally:
-                steering.close()
-        elif self.kernel_walk is not None and bool(params.greedy.all()):
-            draft = self.kernel_walk.greedy(hidden, bonus)
-        elif self.kernel_walk is not None:
-            draft = self.kernel_walk.sampled(hidden, bonus, params, self.generator)
+                if steering is not None:
+                    steering.close()
         else:
-            draft = sample_block(self.drafter, hidden, bonus.to(self.device), params.to(self.device), self.generator)
+            if bool(params.greedy.all()):
+                draft = self.kernel_walk.greedy(hidden, bonus)
+            else:
+                draft = self.kernel_walk.sampled(hidden, bonus, params, self.generator)
+            if reqs is not None:
+                steer_walked_block(draft, reqs, params.greedy, bonus, self.vocab_size, self._draft_ids,
+                                   self._rewalk(hidden, params))
         times.walk, _ = _lap(clock)
         return draft
+
+    def _rewalk(self, hidden: torch.Tensor, params: SamplingParams) -> Rewalk:
+        """One row of this block walked again from a slot, steered (`engine.grammar.Rewalk`)."""
+        def rewalk(row: int, slot: int, anchor: int, steering: GrammarSteering) -> DraftBlock:
+            one = torch.tensor([row])
+            return sample_block(self.drafter, hidden[row:row + 1, slot:], torch.tensor([anchor], device=self.device),
+                                params.select(one).to(self.device), self.generator, steering=steering)
+        return rewalk
 
     def _lookup_proposals(self, slots: torch.Tensor, bonus: torch.Tensor, seq_lens: torch.Tensor,
                           params: SamplingParams, width: int) -> tuple[list[list[int]], torch.Tensor | None]:
