@@ -815,8 +815,8 @@ def test_grammar_steering_drafts_the_drafters_best_allowed_token_and_rolls_every
     assert (steered.state, beyond.state, sampled.state) == (0, 0, 0), "every grammar is rolled back"
 
 
-def test_a_walked_block_is_walked_again_steered_only_from_the_first_draft_its_grammar_refuses():
-    from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block
+def test_a_walked_block_is_drawn_again_steered_only_from_the_first_draft_its_grammar_refuses():
+    from sglang_dspark.decoding import DraftBlock, SamplingParams
     from sglang_dspark.engine.grammar import steer_walked_block
 
     allowing = ScriptedGrammar([{4, 5}, {6}, {7, 8}, {9}])  # every draft below allowed
@@ -828,17 +828,18 @@ def test_a_walked_block_is_walked_again_steered_only_from_the_first_draft_its_gr
     block = DraftBlock(tokens=tokens.clone(), probs=probs.clone(), confidence_logits=torch.zeros(4, 4), probs_vocab=None)
     params = SamplingParams(temperature=torch.tensor([0.0, 0.0, 0.0, 1.0]), top_p=torch.ones(4),
                             top_k=torch.zeros(4, dtype=torch.long))
-    hidden, calls = torch.zeros(4, 4, 2), []
+    drafter, calls = _PreferringDrafter(favourite=30), []
 
-    def rewalk(row, slot, anchor, steering):
-        calls.append((row, slot, anchor))
-        return sample_block(_PreferringDrafter(favourite=30), hidden[row:row + 1, slot:], torch.tensor([anchor]),
-                            params.select(torch.tensor([row])), torch.Generator().manual_seed(0), steering=steering)
+    def slot_logits(rows, slot, prev):
+        calls.append((rows.tolist(), slot, prev.tolist()))
+        return drafter.base_logits(torch.zeros(len(rows), 1, 2))[:, 0], torch.full((len(rows),), 5.0)
 
-    steer_walked_block(block, reqs, params.greedy, torch.tensor([1, 2, 3, 4]), 64, torch.arange(40), rewalk)
+    steer_walked_block(block, reqs, params, torch.tensor([1, 2, 3, 4]), 64, torch.arange(40), slot_logits,
+                       torch.Generator().manual_seed(0))
 
-    assert calls == [(1, 2, 6)], "only the refusing row is walked again, from the refused slot, after the draft before"
+    assert calls == [([1], 2, [6]), ([1], 3, [20])], "only the refusing row is drawn again, from the refused slot on"
     assert block.tokens[1].tolist() == [4, 6, 20, 3], "the best allowed token, then what the grammar allows"
+    assert block.confidence_logits[1].tolist() == [0.0, 0.0, 5.0, 5.0], "drawn again, scored again"
     assert torch.equal(block.tokens[[0, 2, 3]], tokens[[0, 2, 3]]), "allowed drafts stand"
     kept = torch.zeros(4, 40)
     kept[0, [1, 2, 3]] = probs[3, 0, [1, 2, 3]] / probs[3, 0, [1, 2, 3]].sum()
@@ -847,3 +848,24 @@ def test_a_walked_block_is_walked_again_steered_only_from_the_first_draft_its_gr
     assert torch.allclose(block.probs[3], kept), "a kept sampled draft's p_d is the drafter's masked to the grammar"
     assert torch.equal(block.probs[[0, 1, 2]][:, :2], probs[[0, 1, 2]][:, :2])
     assert (allowing.state, refusing.state, sampled.state) == (0, 0, 0), "every grammar is rolled back"
+
+
+def test_a_sampled_draft_its_grammar_refuses_is_drawn_again_from_the_drafters_masked_distribution():
+    from sglang_dspark.decoding import DraftBlock, SamplingParams
+    from sglang_dspark.engine.grammar import steer_walked_block
+
+    grammar = ScriptedGrammar([{2}, {11, 12}, {13}])
+    block = DraftBlock(tokens=torch.tensor([[2, 30, 30]]), probs=torch.rand(1, 3, 40), confidence_logits=None,
+                       probs_vocab=None)
+    drafter = _PreferringDrafter(favourite=30)
+    params = SamplingParams(temperature=torch.ones(1), top_p=torch.ones(1), top_k=torch.zeros(1, dtype=torch.long))
+
+    steer_walked_block(block, [_constrained_req(grammar)], params, torch.tensor([0]), 64, torch.arange(40),
+                       lambda rows, slot, prev: (drafter.base_logits(torch.zeros(len(rows), 1, 2))[:, 0], None),
+                       torch.Generator().manual_seed(0))
+
+    expected = torch.zeros(40)
+    expected[[11, 12]] = torch.softmax(torch.tensor([-11.0, -12.0]), -1)
+    assert block.tokens[0, 1].item() in (11, 12) and block.tokens[0, 2].item() == 13
+    assert torch.allclose(block.probs[0, 1], expected), "p_d is the drafter's distribution masked to the grammar"
+    assert grammar.state == 0

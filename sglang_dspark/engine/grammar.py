@@ -15,9 +15,9 @@ the drafter's distribution masked to the allowed tokens, which is then their p_d
 the grammar would refuse is never proposed where the draft vocabulary holds an allowed one
 (unsteered, one refused draft ended the drafts worth verifying, even where the drafter ranked an
 allowed token second). Where the walk kernel serves, it walks first, unmasked, and
-`steer_walked_block` walks again, steered, only the rows and slots from a draft the grammar
-refuses: the drafter mostly drafts what the grammar allows, and a whole walk in Python cost
-~2.9 against ~0.6 ms for one request's block.
+`steer_walked_block` draws again, steered, only the rows and slots from a draft the grammar
+refuses, a slot's rows in one batched call: the drafter mostly drafts what the grammar allows,
+and a whole walk in Python cost ~2.7 against ~0.6 ms for one request's block.
 
 Before planning, `guide_drafts` walks the same chains: a position where the grammar allows one
 token takes it (accepted for certain), and drafts from the first one the grammar refuses on are
@@ -33,7 +33,8 @@ import numpy as np
 import torch
 from sglang.srt.speculative.spec_utils import traverse_tree
 
-from sglang_dspark.decoding import DraftBlock
+from sglang_dspark.decoding import DraftBlock, SamplingParams
+from sglang_dspark.decoding.sampling import logits_to_probs, sample_from_probs
 
 
 def apply_grammar_masks(logits: torch.Tensor, reqs, bonus: torch.Tensor, drafts: torch.Tensor,
@@ -80,7 +81,7 @@ class GrammarSteering:
     """A `decoding.Steering` over the constrained requests of one block walk.
 
     At slot 0 each grammar stands after the walk's anchor (the bonus token, which SGLang's
-    grammar accepted; or the last draft `steer_walked_block` kept); before each later slot it
+    grammar accepted); before each later slot it
     accepts the slot before's draft, and `close` rolls every grammar back. A row whose grammar
     has terminated, or allows no token of the draft vocabulary, is no longer steered: its drafts
     from there on are the drafter's own, and `guide_drafts` verifies none of them."""
@@ -126,68 +127,82 @@ class GrammarSteering:
         self._accepted = [0] * len(self._accepted)
 
 
-Rewalk = Callable[[int, int, int, GrammarSteering], DraftBlock]
-"""`rewalk(row, slot, anchor, steering)`: the drafter's walk of one row again from `slot` (after
-`anchor`, the draft before it, or the bonus), steered: a DraftBlock of that row's slots from there."""
+SlotLogits = Callable[[torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+"""`slot_logits(rows, slot, prev_tokens)`: the drafter's logits `[n, V_draft]` at `slot` for these
+block rows after `prev_tokens [n]` (target ids), and its confidence logits there `[n]` (None
+without a confidence head). The Markov head is assumed state-free (vanilla, or none): the walk
+kernel, whose blocks this steers, serves no other."""
 
 
-def steer_walked_block(draft: DraftBlock, reqs, greedy: torch.Tensor, bonus: torch.Tensor, vocab_size: int,
-                       draft_ids: torch.Tensor, rewalk: Rewalk) -> None:
+def steer_walked_block(draft: DraftBlock, reqs, params: SamplingParams, bonus: torch.Tensor, vocab_size: int,
+                       draft_ids: torch.Tensor, slot_logits: SlotLogits, generator: torch.Generator | None) -> None:
     """Steer, after the fact, a block the walk kernel drew without masks, in place.
 
-    Each constrained request's drafts go through its grammar. A draft it allows stands; from
-    the first one it refuses, `rewalk` walks the rest of that row again, steered (the Markov
-    head conditions each slot on the draft before, so the later slots change too). A kept
-    sampled draft's distribution becomes the drafter's masked to what the grammar allowed there,
-    renormalised: a draw from q kept where allowed and otherwise redrawn from the masked q is a
-    draw from the masked q, and rejection sampling must be told the distribution the draft came
-    from. Much cheaper than steering the whole walk in Python where the drafter mostly drafts
-    what the grammar allows. Every grammar ends where it began."""
-    rows = [row for row, req in enumerate(reqs) if req.grammar is not None and not req.finished()]
-    if not rows:
+    Slot by slot, each constrained request's draft goes through its grammar. A draft it allows
+    stands; from the first one it refuses, the row is drawn again at every later slot, steered
+    (the Markov head conditions each slot on the draft before), all such rows of a slot in one
+    batched call. A kept sampled draft's distribution becomes the drafter's masked to what the
+    grammar allowed there, renormalised: a draw from q kept where allowed and otherwise redrawn
+    from the masked q is a draw from the masked q, and rejection sampling must be told the
+    distribution the draft came from. Every grammar ends where it began."""
+    live = {row: req.grammar for row, req in enumerate(reqs) if req.grammar is not None and not req.finished()}
+    if not live:
         return
     columns = _DraftColumns(vocab_size, draft_ids)
-    mask = reqs[rows[0]].grammar.allocate_vocab_mask(vocab_size=vocab_size, batch_size=1, device="cpu")
-    tokens = draft.tokens.cpu()
-    for row in rows:
-        grammar, accepted = reqs[row].grammar, 0
-        try:
-            for slot in range(tokens.shape[1]):
-                if grammar.is_terminated():
-                    break
-                grammar.fill_vocab_mask(mask, 0)
-                token = int(tokens[row, slot])
-                if not _allows(mask[0], token, vocab_size):
-                    anchor = int(tokens[row, slot - 1]) if slot else int(bonus[row])
-                    _splice(draft, row, slot, _steered_tail(rewalk, reqs[row], row, slot, anchor, vocab_size,
-                                                            draft_ids))
-                    break
-                if not bool(greedy[row]) and draft.probs is not None:
-                    allowed = torch.from_numpy(columns.allowed(mask)[0]).to(draft.probs.device)
-                    masked = draft.probs[row, slot] * allowed
-                    draft.probs[row, slot] = masked / masked.sum()
-                grammar.accept_token(token)
-                accepted += 1
-        finally:
-            if accepted:
-                grammar.rollback(accepted)
-
-
-def _steered_tail(rewalk: Rewalk, req, row: int, slot: int, anchor: int, vocab_size: int,
-                  draft_ids: torch.Tensor) -> DraftBlock:
-    steering = GrammarSteering([req], vocab_size, draft_ids)
+    masks = next(iter(live.values())).allocate_vocab_mask(vocab_size=vocab_size, batch_size=len(reqs), device="cpu")
+    tokens = draft.tokens.cpu().clone()
+    accepted = dict.fromkeys(live, 0)
+    redrawn: set[int] = set()
     try:
-        return rewalk(row, slot, anchor, steering)
+        for slot in range(tokens.shape[1]):
+            for row, grammar in list(live.items()):
+                if grammar.is_terminated():  # `guide_drafts` verifies nothing from here on
+                    del live[row]
+                else:
+                    grammar.fill_vocab_mask(masks, row)
+            redrawn |= {row for row in live if not _allows(masks[row], int(tokens[row, slot]), vocab_size)}
+            # the allowed columns, unpacked only where a draw or a distribution needs them
+            unpacked = [row for row in live if row in redrawn or (draft.probs is not None and not bool(params.greedy[row]))]
+            allowed = dict(zip(unpacked, columns.allowed(masks[unpacked]))) if unpacked else {}
+            for row in [row for row in unpacked if not allowed[row].any()]:  # nothing to draft: cut there too
+                del live[row], allowed[row]
+            redraw = [row for row in allowed if row in redrawn]
+            if redraw:
+                _redraw(draft, tokens, redraw, slot, torch.from_numpy(np.stack([allowed[row] for row in redraw])),
+                        params, bonus, draft_ids, slot_logits, generator)
+            for row in allowed:
+                if row not in redrawn:  # a kept sampled draft
+                    masked = draft.probs[row, slot] * torch.from_numpy(allowed[row]).to(draft.probs.device)
+                    draft.probs[row, slot] = masked / masked.sum()
+            for row, grammar in live.items():
+                grammar.accept_token(int(tokens[row, slot]))
+                accepted[row] += 1
     finally:
-        steering.close()
+        for row, count in accepted.items():
+            if count:
+                reqs[row].grammar.rollback(count)
+    draft.tokens.copy_(tokens.to(draft.tokens.device))
 
 
-def _splice(draft: DraftBlock, row: int, slot: int, tail: DraftBlock) -> None:
-    draft.tokens[row, slot:] = tail.tokens[0].to(draft.tokens.device)
-    if draft.confidence_logits is not None and tail.confidence_logits is not None:
-        draft.confidence_logits[row, slot:] = tail.confidence_logits[0].to(draft.confidence_logits.device)
-    if draft.probs is not None and tail.probs is not None:  # a greedy row's distributions are never read
-        draft.probs[row, slot:] = tail.probs[0].to(draft.probs.device)
+def _redraw(draft: DraftBlock, tokens: torch.Tensor, rows: list[int], slot: int, allowed: torch.Tensor,
+            params: SamplingParams, bonus: torch.Tensor, draft_ids: torch.Tensor, slot_logits: SlotLogits,
+            generator: torch.Generator | None) -> None:
+    """Draw `rows` again at `slot` from the drafter's logits masked to `allowed` [n, V_draft]."""
+    index = torch.tensor(rows)
+    prev = tokens[index, slot - 1] if slot else bonus.cpu()[index].to(torch.long)
+    logits, confidences = slot_logits(index, slot, prev)
+    logits = logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
+    if bool(params.greedy[index].all()):
+        picked = logits.argmax(-1)
+    else:
+        probs = logits_to_probs(logits, params.select(index).to(logits.device))
+        picked = sample_from_probs(probs, generator)
+        if draft.probs is not None:
+            draft.probs[index.to(draft.probs.device), slot] = probs.to(draft.probs.device)
+    tokens[index, slot] = draft_ids[picked.cpu()].to(tokens.dtype)
+    if confidences is not None and draft.confidence_logits is not None:
+        device = draft.confidence_logits.device
+        draft.confidence_logits[index.to(device), slot] = confidences.float().to(device)
 
 
 FORCED_CONFIDENCE_LOGIT = 20.0

@@ -44,7 +44,7 @@ from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block, verify_greedy, verify_packed
 from sglang_dspark.decoding.verification import TargetSampler
 from sglang_dspark.engine import verify_attention
-from sglang_dspark.engine.grammar import (GrammarSteering, Rewalk, apply_grammar_masks, guide_drafts,
+from sglang_dspark.engine.grammar import (GrammarSteering, SlotLogits, apply_grammar_masks, guide_drafts,
                                           steer_walked_block)
 from sglang_dspark.engine.lookup import SlotLookups
 from sglang_dspark.engine.penalties import OutputHistories
@@ -384,8 +384,8 @@ class DSparkLiveWorker(BaseSpecWorker):
                      times: DraftTimes, reqs: list | None = None) -> DraftBlock:
         """The drafter's block forward and Markov walk for these requests (timed into `times`).
         `reqs` (given when the batch holds grammars to steer by): the walk kernel walks first and
-        rows are walked again, steered, from a draft their grammar refuses; without the kernel
-        the whole walk is steered (`engine.grammar`)."""
+        rows are drawn again, steered, from a draft their grammar refuses; without the kernel the
+        whole walk is steered (`engine.grammar`)."""
         clock = time.perf_counter()
         hidden = self.drafter.forward_block(self.context, slots, bonus, width)
         times.block, clock = _lap(clock)
@@ -398,23 +398,29 @@ class DSparkLiveWorker(BaseSpecWorker):
                 if steering is not None:
                     steering.close()
         else:
+            base = None if reqs is None else self.kernel_walk.base_logits(hidden)  # the steering reads them too
             if bool(params.greedy.all()):
-                draft = self.kernel_walk.greedy(hidden, bonus)
+                draft = self.kernel_walk.greedy(hidden, bonus, base)
             else:
-                draft = self.kernel_walk.sampled(hidden, bonus, params, self.generator)
+                draft = self.kernel_walk.sampled(hidden, bonus, params, self.generator, base)
             if reqs is not None:
-                steer_walked_block(draft, reqs, params.greedy, bonus, self.vocab_size, self._draft_ids,
-                                   self._rewalk(hidden, params))
+                steer_walked_block(draft, reqs, params, bonus, self.vocab_size, self._draft_ids,
+                                   self._slot_logits(hidden, base), self.generator)
         times.walk, _ = _lap(clock)
         return draft
 
-    def _rewalk(self, hidden: torch.Tensor, params: SamplingParams) -> Rewalk:
-        """One row of this block walked again from a slot, steered (`engine.grammar.Rewalk`)."""
-        def rewalk(row: int, slot: int, anchor: int, steering: GrammarSteering) -> DraftBlock:
-            one = torch.tensor([row])
-            return sample_block(self.drafter, hidden[row:row + 1, slot:], torch.tensor([anchor], device=self.device),
-                                params.select(one).to(self.device), self.generator, steering=steering)
-        return rewalk
+    def _slot_logits(self, hidden: torch.Tensor, base: torch.Tensor) -> SlotLogits:
+        """The drafter's logits and confidences at one slot of this block, from its base logits
+        (`engine.grammar.SlotLogits`)."""
+        def slot_logits(rows: torch.Tensor, slot: int, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            rows = rows.to(hidden.device)
+            slot_hidden = hidden[rows, slot]
+            prev = prev.to(hidden.device)
+            bias, _ = self.drafter.markov_bias(prev, slot_hidden, None)
+            logits = base[rows, slot].float() + bias.float()
+            confidences = self.drafter.confidence_logits(slot_hidden, prev) if self.drafter.has_confidence_head else None
+            return logits, confidences
+        return slot_logits
 
     def _lookup_proposals(self, slots: torch.Tensor, bonus: torch.Tensor, seq_lens: torch.Tensor,
                           params: SamplingParams, width: int) -> tuple[list[list[int]], torch.Tensor | None]:

@@ -86,13 +86,14 @@ class KernelWalk:
             return self.drafter.base_logits(hidden)
         return panel_linear(hidden.contiguous(), self._panels, self.drafter.config.draft_vocab_size)
 
-    def greedy(self, hidden: torch.Tensor, anchors: torch.Tensor) -> DraftBlock:
-        """Drafts `[B, W]` as target ids and their raw confidence logits (None without a head)."""
-        tokens, confidences = self._walk(hidden, anchors)
+    def greedy(self, hidden: torch.Tensor, anchors: torch.Tensor, base: torch.Tensor | None = None) -> DraftBlock:
+        """Drafts `[B, W]` as target ids and their raw confidence logits (None without a head).
+        `base`: the block's `base_logits(hidden)`, where the caller has them already."""
+        tokens, confidences = self._walk(hidden, anchors, base)
         return DraftBlock(tokens=tokens, probs=None, confidence_logits=confidences)
 
     def sampled(self, hidden: torch.Tensor, anchors: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | None) -> DraftBlock:
+                generator: torch.Generator | None, base: torch.Tensor | None = None) -> DraftBlock:
         """Drafts drawn under `params` (one row each), with the distributions they were drawn from
         over the draft vocabulary (`probs_vocab`: the drafter's d2t); greedy rows' are one-hot."""
         batch, width = hidden.shape[:2]
@@ -106,17 +107,22 @@ class KernelWalk:
         min_p = params.min_p.to(torch.float32).contiguous()
         uniforms = torch.rand(batch, width, dtype=torch.float64, generator=generator)
         probs = torch.empty(batch, width, self.drafter.config.draft_vocab_size, dtype=torch.float32)
-        tokens, confidences = self._walk(hidden, anchors, [scale.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
+        tokens, confidences = self._walk(hidden, anchors, base, [scale.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
                                                            min_p.data_ptr(), uniforms.data_ptr(), probs.data_ptr()])
         return DraftBlock(tokens=tokens, probs=probs, confidence_logits=confidences, probs_vocab=self.drafter.d2t)
 
-    def _walk(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling: list | None = None):
+    def _walk(self, hidden: torch.Tensor, anchors: torch.Tensor, base: torch.Tensor | None = None,
+              sampling: list | None = None):
         drafter = self.drafter
         batch, width, hidden_size = hidden.shape
         if hidden.dtype != drafter.dtype or hidden.stride(2) != 1 or anchors.shape != (batch,):
             raise ValueError(f"kernel walk: hidden {tuple(hidden.shape)} {hidden.dtype} and anchors "
                              f"{tuple(anchors.shape)}: expected [B, W, d] {drafter.dtype} (unit stride last) and [B]")
-        base = self.base_logits(hidden)
+        base = self.base_logits(hidden) if base is None else base
+        if base.shape != (batch, width, drafter.config.draft_vocab_size) or base.dtype != drafter.dtype \
+                or base.stride(2) != 1:
+            raise ValueError(f"kernel walk: base logits {tuple(base.shape)} {base.dtype}: expected "
+                             f"[{batch}, {width}, {drafter.config.draft_vocab_size}] {drafter.dtype} (unit stride last)")
         anchors = anchors.to(torch.int64).contiguous()
         tokens = torch.empty(batch, width, dtype=torch.int64)
         head, confidence = drafter.markov_head, drafter.confidence_head
