@@ -57,6 +57,58 @@ def test_slots_propose_only_when_in_step_with_the_request_and_eligible():
     assert lookups.synced(3, 7) and lookups.propose([3], [2], [7], [True], 2) == [[3, 1]]
 
 
+def test_a_request_whose_lookups_keep_failing_stops_proposing_them_for_a_growing_quiet_spell():
+    """Near-repeating text ("s2s3s4...") matches every step and is refused every time; after three
+    refused rounds in a row the slot proposes nothing for 8 committed tokens, then 16, and a round
+    that accepts a draft ends the backoff. Another slot, and a new request in the slot, are unaffected."""
+    from sglang_dspark.engine.lookup import MISSES_BEFORE_QUIET, QUIET_TOKENS
+
+    lookups = SlotLookups()
+    text = [5, 6, 7] * 6
+    lookups.reset(0, list(text))
+    lookups.reset(1, list(text))
+
+    def committed(slot: int) -> int:
+        return len(lookups._slots[slot].tokens)
+
+    def bonus(slot: int) -> int:  # the text goes on repeating
+        return text[committed(slot) % 3]
+
+    def proposes(slot: int) -> bool:
+        return lookups.propose([slot], [bonus(slot)], [committed(slot)], [True], 2) != [[]]
+
+    def step(slot: int) -> None:
+        lookups.commit(slot, [bonus(slot)])  # a step that accepts no draft commits its bonus alone
+
+    def refused_round(slot: int) -> None:
+        assert proposes(slot)
+        lookups.observe(slot, 0)
+        step(slot)
+
+    for _ in range(MISSES_BEFORE_QUIET - 1):
+        refused_round(0)
+    lookups.observe(0, 2)  # an accepted round: the count of misses starts again
+    for _ in range(MISSES_BEFORE_QUIET):
+        refused_round(0)
+    quiet = 0
+    while not proposes(0):
+        step(0)
+        quiet += 1
+    assert quiet == QUIET_TOKENS[0] - 1, "quiet for the first spell's committed tokens (one committed with the last miss)"
+    assert proposes(1), "the other slot still proposes"
+    for _ in range(MISSES_BEFORE_QUIET):
+        refused_round(0)
+    second = 0
+    while not proposes(0):
+        step(0)
+        second += 1
+    assert second == 2 * QUIET_TOKENS[0] - 1, "the next spell is twice as long"
+    for _ in range(MISSES_BEFORE_QUIET):
+        refused_round(0)
+    lookups.reset(0, list(text))
+    assert proposes(0), "a new request in the slot starts afresh"
+
+
 def test_lookup_survivals_start_at_the_prior_and_learn_from_served_rounds():
     survival = LookupSurvival(gamma=7)
     prior = torch.cumprod(torch.tensor(PRIOR_GREEDY, dtype=torch.float64), 0).float()

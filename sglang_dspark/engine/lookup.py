@@ -71,15 +71,53 @@ class SequenceLookup:
         return []
 
 
+MISSES_BEFORE_QUIET = 3
+"""Lookup rounds in a row that accepted nothing before a request stops proposing lookups for a while."""
+QUIET_TOKENS = (8, 64)
+"""A request's first quiet spell lasts 8 committed tokens, each one after it twice the one before, up
+to 64, until a lookup round accepts a draft again."""
+
+
 class SlotLookups:
-    """Each request slot's `SequenceLookup`, kept in step with the slot's committed KV length."""
+    """Each request slot's `SequenceLookup`, kept in step with the slot's committed KV length.
+
+    A request whose text nearly repeats (`"s2s3s4s5..."`: each n-gram's latest continuation is
+    one step behind) matches every step and is refused every time; the survivals the planner
+    learns are shared by all requests of a temperature class, so they cannot single it out (one
+    JSON answer verified 161 lookup drafts and accepted none). After `MISSES_BEFORE_QUIET` such
+    rounds in a row the slot proposes nothing for a quiet spell (`QUIET_TOKENS`), and the
+    drafter drafts for it instead."""
 
     def __init__(self) -> None:
         self._slots: dict[int, SequenceLookup] = {}
+        self._misses: dict[int, int] = {}
+        self._quiet_until: dict[int, int] = {}  # slot -> committed length from which it proposes again
+        self._next_quiet: dict[int, int] = {}
 
     def reset(self, slot: int, tokens: list[int]) -> None:
         """After an extend: the slot holds exactly `tokens` (prompt, cached prefix, earlier output)."""
         self._slots[slot] = SequenceLookup(tokens)
+        for state in (self._misses, self._quiet_until, self._next_quiet):
+            state.pop(slot, None)
+
+    def observe(self, slot: int, accepted: int) -> None:
+        """A verified lookup round of the slot accepted `accepted` of its drafts."""
+        if accepted > 0:
+            self._misses.pop(slot, None)
+            self._next_quiet.pop(slot, None)
+            return
+        self._misses[slot] = self._misses.get(slot, 0) + 1
+        lookup = self._slots.get(slot)
+        if self._misses[slot] >= MISSES_BEFORE_QUIET and lookup is not None:
+            quiet = self._next_quiet.get(slot, QUIET_TOKENS[0])
+            self._quiet_until[slot] = len(lookup.tokens) + quiet
+            self._next_quiet[slot] = min(2 * quiet, QUIET_TOKENS[1])
+            self._misses[slot] = 0
+
+    def quiet(self, slot: int) -> bool:
+        """Whether the slot is in a quiet spell (it proposes no lookups)."""
+        lookup = self._slots.get(slot)
+        return lookup is not None and len(lookup.tokens) < self._quiet_until.get(slot, 0)
 
     def commit(self, slot: int, tokens: list[int]) -> None:
         lookup = self._slots.get(slot)
@@ -93,11 +131,12 @@ class SlotLookups:
 
     def propose(self, slots: list[int], bonus: list[int], committed: list[int], eligible: list[bool],
                 width: int) -> list[list[int]]:
-        """Per request, `width` lookup drafts, or `[]`: no match, an ineligible or out-of-step slot,
-        or a match too near the end of the text to fill the block (a lookup replaces the drafter's
+        """Per request, `width` lookup drafts, or `[]`: no match, an ineligible, out-of-step or quiet
+        slot, or a match too near the end of the text to fill the block (a lookup replaces the drafter's
         whole block, so every request still verifies within the width the planner drafted; on the
         eval answers, requiring 7 tokens gave up 1 % of the lookup's gain)."""
-        proposals = [self._slots[slot].propose(token, width) if ok and self.synced(slot, length) else []
+        proposals = [self._slots[slot].propose(token, width)
+                     if ok and self.synced(slot, length) and not self.quiet(slot) else []
                      for slot, token, length, ok in zip(slots, bonus, committed, eligible)]
         return [tokens if len(tokens) == width else [] for tokens in proposals]
 

@@ -353,7 +353,11 @@ class DSparkLiveWorker(BaseSpecWorker):
         rows = torch.arange(batch_size)
         new_bonus = outcome.tokens[rows, outcome.num_accepted]
         if self.lookups is not None:  # committed: the bonus and the accepted drafts
+            looked_up = [False] * batch_size if plan.lookup_lens is None else (
+                (plan.lookup_lens > 0) & (plan.verify_lens > 0)).tolist()
             for b, (slot, accepted) in enumerate(zip(slots.tolist(), outcome.num_accepted.tolist())):
+                if looked_up[b]:
+                    self.lookups.observe(slot, accepted)
                 self.lookups.commit(slot, [int(bonus[b])] + outcome.tokens[b, :accepted].tolist())
         if on_publish is not None:
             on_publish(new_seq_lens.to(self.device))
