@@ -80,31 +80,27 @@ def test_a_request_whose_lookups_keep_failing_stops_proposing_them_for_a_growing
     def step(slot: int) -> None:
         lookups.commit(slot, [bonus(slot)])  # a step that accepts no draft commits its bonus alone
 
-    def refused_round(slot: int) -> None:
-        assert proposes(slot)
-        lookups.observe(slot, 0)
-        step(slot)
+    def refused_rounds(slot: int, count: int = MISSES_BEFORE_QUIET) -> None:
+        for _ in range(count):
+            assert proposes(slot)
+            lookups.observe(slot, 0)
+            step(slot)
 
-    for _ in range(MISSES_BEFORE_QUIET - 1):
-        refused_round(0)
+    def quiet_steps(slot: int) -> int:
+        steps = 0
+        while not proposes(slot):
+            step(slot)
+            steps += 1
+        return steps
+
+    refused_rounds(0, MISSES_BEFORE_QUIET - 1)
     lookups.observe(0, 2)  # an accepted round: the count of misses starts again
-    for _ in range(MISSES_BEFORE_QUIET):
-        refused_round(0)
-    quiet = 0
-    while not proposes(0):
-        step(0)
-        quiet += 1
-    assert quiet == QUIET_TOKENS[0] - 1, "quiet for the first spell's committed tokens (one committed with the last miss)"
+    refused_rounds(0)
+    assert quiet_steps(0) == QUIET_TOKENS[0] - 1, "quiet for the first spell's committed tokens (one came with the last miss)"
     assert proposes(1), "the other slot still proposes"
-    for _ in range(MISSES_BEFORE_QUIET):
-        refused_round(0)
-    second = 0
-    while not proposes(0):
-        step(0)
-        second += 1
-    assert second == 2 * QUIET_TOKENS[0] - 1, "the next spell is twice as long"
-    for _ in range(MISSES_BEFORE_QUIET):
-        refused_round(0)
+    refused_rounds(0)
+    assert quiet_steps(0) == 2 * QUIET_TOKENS[0] - 1, "the next spell is twice as long"
+    refused_rounds(0)
     lookups.reset(0, list(text))
     assert proposes(0), "a new request in the slot starts afresh"
 
