@@ -80,11 +80,11 @@ def _allows(mask_row: torch.Tensor, token: int, vocab_size: int) -> bool:
 class GrammarSteering:
     """A `decoding.Steering` over the constrained requests of one block walk.
 
-    At slot 0 each grammar stands after the walk's anchor (the bonus token, which SGLang's
-    grammar accepted); before each later slot it
-    accepts the slot before's draft, and `close` rolls every grammar back. A row whose grammar
-    has terminated, or allows no token of the draft vocabulary, is no longer steered: its drafts
-    from there on are the drafter's own, and `guide_drafts` verifies none of them."""
+    At slot 0 each grammar stands after the bonus token (SGLang's grammar accepted it); before
+    each later slot it accepts the slot before's draft, and `close` rolls every grammar back. A
+    row whose grammar has terminated, or allows no token of the draft vocabulary, is no longer
+    steered: its drafts from there on are the drafter's own, and `guide_drafts` verifies none of
+    them."""
 
     def __init__(self, reqs, vocab_size: int, draft_ids: torch.Tensor) -> None:
         """`draft_ids` [V_draft]: the target id of each draft column."""

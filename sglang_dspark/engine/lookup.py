@@ -20,6 +20,8 @@ calibration.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 MIN_MATCH = 2
@@ -78,6 +80,15 @@ QUIET_TOKENS = (8, 64)
 to 64, until a lookup round accepts a draft again."""
 
 
+@dataclass
+class _Backoff:
+    """One slot's refused lookup rounds in a row and quiet spells (`SlotLookups.observe`)."""
+
+    misses: int = 0
+    quiet_until: int = 0  # committed length from which the slot proposes again
+    next_quiet: int = QUIET_TOKENS[0]
+
+
 class SlotLookups:
     """Each request slot's `SequenceLookup`, kept in step with the slot's committed KV length.
 
@@ -90,34 +101,30 @@ class SlotLookups:
 
     def __init__(self) -> None:
         self._slots: dict[int, SequenceLookup] = {}
-        self._misses: dict[int, int] = {}
-        self._quiet_until: dict[int, int] = {}  # slot -> committed length from which it proposes again
-        self._next_quiet: dict[int, int] = {}
+        self._backoffs: dict[int, _Backoff] = {}
 
     def reset(self, slot: int, tokens: list[int]) -> None:
         """After an extend: the slot holds exactly `tokens` (prompt, cached prefix, earlier output)."""
         self._slots[slot] = SequenceLookup(tokens)
-        for state in (self._misses, self._quiet_until, self._next_quiet):
-            state.pop(slot, None)
+        self._backoffs.pop(slot, None)
 
     def observe(self, slot: int, accepted: int) -> None:
         """A verified lookup round of the slot accepted `accepted` of its drafts."""
-        if accepted > 0:
-            self._misses.pop(slot, None)
-            self._next_quiet.pop(slot, None)
-            return
-        self._misses[slot] = self._misses.get(slot, 0) + 1
         lookup = self._slots.get(slot)
-        if self._misses[slot] >= MISSES_BEFORE_QUIET and lookup is not None:
-            quiet = self._next_quiet.get(slot, QUIET_TOKENS[0])
-            self._quiet_until[slot] = len(lookup.tokens) + quiet
-            self._next_quiet[slot] = min(2 * quiet, QUIET_TOKENS[1])
-            self._misses[slot] = 0
+        if accepted > 0 or lookup is None:
+            self._backoffs.pop(slot, None)
+            return
+        backoff = self._backoffs.setdefault(slot, _Backoff())
+        backoff.misses += 1
+        if backoff.misses >= MISSES_BEFORE_QUIET:
+            backoff.misses = 0
+            backoff.quiet_until = len(lookup.tokens) + backoff.next_quiet
+            backoff.next_quiet = min(2 * backoff.next_quiet, QUIET_TOKENS[1])
 
     def quiet(self, slot: int) -> bool:
         """Whether the slot is in a quiet spell (it proposes no lookups)."""
-        lookup = self._slots.get(slot)
-        return lookup is not None and len(lookup.tokens) < self._quiet_until.get(slot, 0)
+        lookup, backoff = self._slots.get(slot), self._backoffs.get(slot)
+        return lookup is not None and backoff is not None and len(lookup.tokens) < backoff.quiet_until
 
     def commit(self, slot: int, tokens: list[int]) -> None:
         lookup = self._slots.get(slot)

@@ -450,7 +450,7 @@ class DSparkLiveWorker(BaseSpecWorker):
     @cached_property
     def _draft_ids(self) -> torch.Tensor:
         """The target id of each column of the drafter's logits."""
-        return self._d2t_cpu if self._d2t_cpu is not None else torch.arange(self.drafter.config.vocab_size)
+        return self._d2t_cpu if self._d2t_cpu is not None else torch.arange(self.drafter.config.draft_vocab_size)
 
     def _draft_columns(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
         """Target token ids -> their columns in the draft distribution (-1: outside the draft vocabulary)."""
