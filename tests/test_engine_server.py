@@ -295,6 +295,52 @@ def test_penalties_steer_greedy_output_like_plain_serving(servers, server_pool, 
     assert got_sampled["meta_info"]["completion_tokens"] == 30
 
 
+def generate_processed(url: str, text: str, processor: str, custom_params: dict | None, **sampling) -> dict:
+    """`/generate` with a custom logit processor (a serialized `CustomLogitProcessor`)."""
+    body = {"text": text, "custom_logit_processor": processor,
+            "sampling_params": {**sampling, "custom_params": custom_params}}
+    response = httpx.post(f"{url}/generate", json=body, timeout=300)
+    response.raise_for_status()
+    return response.json()
+
+
+@pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
+def test_custom_logit_processors_steer_greedy_output_like_plain_serving(servers, server_pool, baseline_outputs,
+                                                                         flavour):
+    """SGLang's own no-repeat-n-gram processor reads the request's output ids (`__req__`): each
+    verify row must see the outputs and the drafts before it, as each plain decode step does; a
+    processor that reads only its params (banned tokens) sits in the same batch, beside a request
+    without one. The reference is plain serving without overlap (with overlap SGLang hands the
+    processor a request whose last step has not landed yet)."""
+    from sglang.srt.sampling.custom_logit_processor import (DeepseekOCRNoRepeatNGramLogitProcessor,
+                                                            DisallowedTokensLogitsProcessor)
+
+    no_repeat = DeepseekOCRNoRepeatNGramLogitProcessor.to_str()
+    banned = [token for token, _ in _first_occurrences(baseline_outputs[2]["output_ids"], list(range(2, 30)))[:2]]
+    requests = [(PROMPTS[i], no_repeat, {"ngram_size": size, "window_size": 200}, MAX_NEW[i])
+                for i in (0, 5, 7) for size in (2, 3)]
+    requests.append((PROMPTS[2], DisallowedTokensLogitsProcessor.to_str(), {"token_ids": banned}, 40))
+    baseline_sync = server_pool.get("baseline_sync")[0].url
+
+    def run(url: str) -> list[dict]:
+        with ThreadPoolExecutor(max_workers=len(requests) + 1) as pool:
+            processed = [pool.submit(generate_processed, url, prompt, processor, params, **greedy(n, ignore_eos=True))
+                         for prompt, processor, params, n in requests]
+            plain = pool.submit(generate, url, PROMPTS[1], **greedy(MAX_NEW[1], ignore_eos=True))
+            return [future.result() for future in processed] + [plain.result()]
+
+    want, got = run(baseline_sync), run(servers[flavour].url)
+    changed = [w["output_ids"] != baseline_outputs[PROMPTS.index(prompt)]["output_ids"][:n]
+               for (prompt, _, _, n), w in zip(requests, want)]
+    assert sum(changed) >= len(requests) // 2, "the processors hardly changed plain serving's text"
+    assert not set(banned) & set(want[-2]["output_ids"]), "plain serving emitted a banned token"
+    for request, g, w in zip(requests, got, want):
+        assert g["output_ids"] == w["output_ids"], request[0]
+    assert got[-1]["output_ids"] == baseline_outputs[1]["output_ids"]
+    assert any(g["meta_info"]["spec_verify_ct"] < g["meta_info"]["completion_tokens"] for g in got[:-2]), \
+        "no processed request accepted a draft, so no window row saw an earlier draft"
+
+
 @pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
 def test_stop_string_truncates_like_plain_serving(servers, baseline_outputs, flavour):
     reference_text = baseline_outputs[7]["text"]

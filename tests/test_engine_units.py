@@ -661,22 +661,29 @@ def _penalised_req(rid: str, output_ids: list[int], frequency: float = 1.0):
     return SimpleNamespace(rid=rid, sampling_params=params, origin_input_ids=[1, 2, 3], output_ids=output_ids)
 
 
+def _penalise(histories, logits, reqs, bonus, seq_lens, drafts, window_lens) -> None:
+    from sglang_dspark.engine.penalties import penalise_rows, penalties_of
+
+    outputs = histories.refresh(reqs, bonus, seq_lens, [penalties_of(req.sampling_params).active for req in reqs])
+    penalise_rows(logits, reqs, outputs, drafts, window_lens)
+
+
 def test_penalties_follow_the_outputs_the_worker_commits_while_sglangs_lag_a_step():
     from sglang_dspark.engine.penalties import OutputHistories
 
     histories = OutputHistories()
     reqs = [_penalised_req("a", []), _penalised_req("b", [], frequency=0.0)]  # overlap: the prefill's token not yet seen
     logits = torch.zeros(5, 12)
-    histories.penalise(logits, reqs, bonus=torch.tensor([9, 4]), seq_lens=torch.tensor([3, 3]),
-                       drafts=torch.tensor([[9, 5], [0, 0]]), window_lens=torch.tensor([3, 2]))
+    _penalise(histories, logits, reqs, bonus=torch.tensor([9, 4]), seq_lens=torch.tensor([3, 3]),
+              drafts=torch.tensor([[9, 5], [0, 0]]), window_lens=torch.tensor([3, 2]))
     assert logits[:3, 9].tolist() == [-1.0, -2.0, -2.0] and logits[2, 5] == -1.0
     assert int((logits != 0).sum()) == 4, "only request a's rows, on tokens it output, are penalised"
     histories.commit(reqs, torch.tensor([[9, 6, 0], [4, 0, 0]]), accept_lens=torch.tensor([2, 1]))
 
     reqs[0].output_ids = [9]  # SGLang has processed the prefill only
     logits = torch.zeros(1, 12)
-    histories.penalise(logits, reqs[:1], bonus=torch.tensor([6]), seq_lens=torch.tensor([5]),
-                       drafts=torch.zeros(1, 0, dtype=torch.long), window_lens=torch.tensor([1]))
+    _penalise(histories, logits, reqs[:1], bonus=torch.tensor([6]), seq_lens=torch.tensor([5]),
+              drafts=torch.zeros(1, 0, dtype=torch.long), window_lens=torch.tensor([1]))
     assert logits[0, 9] == -2.0 and logits[0, 6] == -1.0
 
 
@@ -686,12 +693,66 @@ def test_a_request_prefilled_again_takes_sglangs_outputs_and_unknown_outputs_are
     histories = OutputHistories()
     logits = torch.zeros(1, 12)
     retracted = _penalised_req("a", [7, 7, 8])  # its three outputs are prefilled again, the bonus is new
-    histories.penalise(logits, [retracted], bonus=torch.tensor([2]), seq_lens=torch.tensor([6]),
-                       drafts=torch.zeros(1, 0, dtype=torch.long), window_lens=torch.tensor([1]))
+    _penalise(histories, logits, [retracted], bonus=torch.tensor([2]), seq_lens=torch.tensor([6]),
+              drafts=torch.zeros(1, 0, dtype=torch.long), window_lens=torch.tensor([1]))
     assert logits[0, [7, 8, 2]].tolist() == [-2.0, -1.0, -1.0]
     with pytest.raises(RuntimeError, match="only 1 are known"):
-        histories.penalise(logits, [_penalised_req("c", [5])], bonus=torch.tensor([2]), seq_lens=torch.tensor([8]),
-                           drafts=torch.zeros(1, 0, dtype=torch.long), window_lens=torch.tensor([1]))
+        _penalise(histories, logits, [_penalised_req("c", [5])], bonus=torch.tensor([2]), seq_lens=torch.tensor([8]),
+                  drafts=torch.zeros(1, 0, dtype=torch.long), window_lens=torch.tensor([1]))
+
+
+class BanLastOutput:
+    """A custom logit processor that reads its request: bans the request's last output token."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+        self.calls += 1
+        for row, param in enumerate(params):
+            logits[row, param["__req__"].output_ids[-1]] = float("-inf")
+        return logits
+
+
+def test_each_verify_row_of_a_custom_logit_processor_sees_the_request_as_it_stands_at_that_row():
+    from types import SimpleNamespace
+
+    from sglang_dspark.engine.logit_processors import apply_custom_logit_processors, reads_request
+    from sglang_dspark.engine.penalties import OutputHistories
+
+    processor = BanLastOutput()
+    request = SimpleNamespace(rid="a", origin_input_ids=[1, 2, 3], output_ids=[], custom_logit_processor="serialized",
+                              sampling_params=SimpleNamespace(custom_params={"__req__": None}))
+    request.sampling_params.custom_params["__req__"] = request
+    plain = SimpleNamespace(rid="b", origin_input_ids=[1], output_ids=[], custom_logit_processor=None,
+                            sampling_params=SimpleNamespace(custom_params=None))
+    reqs = [plain, request]  # request a's outputs so far: [4] (SGLang, a step behind, knows none)
+    assert [reads_request(req) for req in reqs] == [False, True]
+    outputs = OutputHistories().refresh(reqs, bonus=torch.tensor([6, 4]), seq_lens=torch.tensor([1, 3]),
+                                        wanted=[False, True])
+    info = SimpleNamespace(has_custom_logit_processor=True, custom_params=[None, request.sampling_params.custom_params],
+                           custom_logit_processor={0: SimpleNamespace(processor=processor, rows=[1])})
+    logits = torch.zeros(2 + 3, 10)
+    apply_custom_logit_processors(logits, info, outputs, drafts=torch.tensor([[0, 0], [8, 5]]),
+                                  window_lens=torch.tensor([2, 3]))
+    banned = [row.isinf().nonzero().flatten().tolist() for row in logits]
+    assert banned == [[], [], [4], [8], [5]], "rows after the bonus 4 and the drafts 8, 5; request b untouched"
+    assert processor.calls == 1, "one call for all the processor's rows"
+    assert request.output_ids == [], "the request itself is not changed"
+
+
+def test_a_custom_logit_processor_that_changes_the_shape_of_its_logits_is_a_clear_error():
+    from types import SimpleNamespace
+
+    from sglang_dspark.engine.logit_processors import apply_custom_logit_processors
+
+    def first_row_only(logits, params):
+        return logits[:1]
+
+    info = SimpleNamespace(has_custom_logit_processor=True, custom_params=[None],
+                           custom_logit_processor={0: SimpleNamespace(processor=first_row_only, rows=[0])})
+    with pytest.raises(RuntimeError, match="must return logits of the shape it was given"):
+        apply_custom_logit_processors(torch.zeros(3, 10), info, [None], torch.tensor([[1, 2]]), torch.tensor([3]))
 
 
 def test_requests_the_verify_path_cannot_serve_are_refused_with_what_is_supported():
@@ -704,7 +765,7 @@ def test_requests_the_verify_path_cannot_serve_are_refused_with_what_is_supporte
     refused = SimpleNamespace(sampling_params=served.sampling_params, return_hidden_states=True,
                               custom_logit_processor="serialized")
     reason = unsupported_request_reason(refused)
-    assert reason.startswith("DSPARK_LIVE does not support return_hidden_states, custom_logit_processor yet")
+    assert reason.startswith("DSPARK_LIVE does not support return_hidden_states yet")
     assert "regex" in reason.split("supported:")[1]
 
 

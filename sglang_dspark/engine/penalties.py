@@ -2,12 +2,15 @@
 
 SGLang's penalizers count a request's output tokens as its scheduler processes each step's
 result; under the overlap scheduler that lags the verify by a step, and its speculative decode
-path does not feed them at all. The worker therefore keeps each penalised request's output tokens
-itself (it commits them), checks them against the committed length on every step, and penalises
-every verify row by the outputs before it (`decoding.penalties`).
+path does not feed them at all. The worker therefore keeps the output tokens of each request whose
+verify rows depend on them (a penalty, or a custom logit processor that reads the request) itself
+(it commits them), checks them against the committed length on every step, and penalises every
+verify row by the outputs before it (`decoding.penalties`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -22,28 +25,42 @@ def penalties_of(sampling_params) -> Penalties:
                      repetition=float(getattr(sampling_params, "repetition_penalty", 1.0) or 1.0))
 
 
+def penalise_rows(logits: torch.Tensor, reqs, outputs: Sequence[list[int] | None], drafts: torch.Tensor,
+                  window_lens: torch.Tensor) -> None:
+    """Penalise the packed verify rows (request b's `window_lens[b]` rows, its window being the
+    bonus and `drafts[b, :window_lens[b] - 1]`) of every request that sets a penalty; `outputs[b]`
+    are its output tokens through the bonus (`OutputHistories.refresh`)."""
+    first = 0
+    for b, req in enumerate(reqs):
+        width = int(window_lens[b])
+        penalties = penalties_of(req.sampling_params)
+        if penalties.active:
+            if outputs[b] is None:
+                raise RuntimeError(f"DSPARK_LIVE: request {req.rid} sets a penalty but its outputs were not tracked")
+            penalise_window(logits[first:first + width], torch.tensor(outputs[b]), drafts[b, : width - 1], penalties)
+        first += width
+
+
 class OutputHistories:
-    """The output tokens, through the bonus token, of each penalised request in the decode batch."""
+    """The output tokens, through the bonus token, of the requests in the decode batch that need them."""
 
     def __init__(self) -> None:
         self._outputs: dict[str, list[int]] = {}
 
-    def penalise(self, logits: torch.Tensor, reqs, bonus: torch.Tensor, seq_lens: torch.Tensor,
-                 drafts: torch.Tensor, window_lens: torch.Tensor) -> None:
-        """Penalise the packed verify rows (request b's `window_lens[b]` rows, its window being the
-        bonus and `drafts[b, :window_lens[b] - 1]`) of every request that sets a penalty. Requests
-        that left the batch are forgotten (a request comes back only by a new prefill)."""
+    def refresh(self, reqs, bonus: torch.Tensor, seq_lens: torch.Tensor,
+                wanted: Sequence[bool]) -> list[list[int] | None]:
+        """Each wanted request's outputs through its bonus (None for the others). Requests that
+        left the batch, or are no longer wanted, are forgotten (a request comes back only by a new
+        prefill)."""
         kept: dict[str, list[int]] = {}
-        first = 0
+        histories: list[list[int] | None] = []
         for b, req in enumerate(reqs):
-            width = int(window_lens[b])
-            penalties = penalties_of(req.sampling_params)
-            if penalties.active:
-                outputs = self._outputs_through_bonus(req, int(bonus[b]), int(seq_lens[b]))
+            outputs = self._outputs_through_bonus(req, int(bonus[b]), int(seq_lens[b])) if wanted[b] else None
+            if outputs is not None:
                 kept[req.rid] = outputs
-                penalise_window(logits[first:first + width], torch.tensor(outputs), drafts[b, : width - 1], penalties)
-            first += width
+            histories.append(outputs)
         self._outputs = kept
+        return histories
 
     def commit(self, reqs, tokens: torch.Tensor, accept_lens: torch.Tensor) -> None:
         """After acceptance: request b outputs `tokens[b, :accept_lens[b]]` (accepted drafts, then the next bonus)."""
@@ -64,5 +81,5 @@ class OutputHistories:
         if len(known) < count - 1:
             raise RuntimeError(
                 f"DSPARK_LIVE: request {req.rid} has output {count} tokens but only {len(known)} are known; "
-                "its penalties cannot be applied")
+                "its outputs cannot be rebuilt for its penalties or logit processor")
         return known[: count - 1] + [bonus]

@@ -1,16 +1,18 @@
 """Refuse, per request and with a clear 400, what the DSPARK_LIVE verify path does not implement.
 
-SGLang's own sampler applies custom logit processors; the verify path samples with
-`decoding.verify` instead, so such a request would silently get a different output distribution.
-The plugin hooks the scheduler's request validation (which already aborts a request with a
-message) to say so instead. `min_new_tokens` is served: `min_new_tokens_bans` tells the
+The verify path samples with `decoding.verify`, not SGLang's sampler, so every logit change the
+sampler makes must be made on the verify rows too, or a request would silently get a different
+output distribution. The plugin hooks the scheduler's request validation (which already aborts
+a request with a message) to refuse what is not. `min_new_tokens` is served: `min_new_tokens_bans` tells the
 worker which stop tokens to ban on which verify rows, as SGLang's penalizer does; so is
 `return_logprob` (the worker hands SGLang's `compute_spec_logprobs` the verify rows), and so is
 `logit_bias` (the batch's bias rows added to each request's verify rows), `min_p` (the verify
 path's sampling keeps SGLang's top-k / top-p / min-p set, `decoding.sampling`) and the frequency,
 presence and repetition penalties (each verify row penalised by the outputs before it,
 `engine.penalties`), and so are grammars (JSON schema, regex, EBNF, structural tags: each verify
-row masked by the grammar after the drafts before it, `engine.grammar`).
+row masked by the grammar after the drafts before it, `engine.grammar`), and so are custom logit
+processors (each verify row processed with the request as it would stand at that row,
+`engine.logit_processors`).
 """
 
 from __future__ import annotations
@@ -25,13 +27,12 @@ def unsupported_request_reason(req) -> str | None:
     problems = []
     if getattr(req, "return_hidden_states", False):
         problems.append("return_hidden_states")
-    if getattr(req, "custom_logit_processor", None):
-        problems.append("custom_logit_processor")
     if not problems:
         return None
     return (f"{ALGORITHM_NAME} does not support {', '.join(problems)} yet; supported: temperature, top_p, "
             "top_k, min_p, frequency/presence/repetition_penalty, json_schema, regex, ebnf, structural_tag, stop, "
-            "stop_token_ids, min_new_tokens, max_new_tokens, ignore_eos, logit_bias, return_logprob, streaming")
+            "stop_token_ids, min_new_tokens, max_new_tokens, ignore_eos, logit_bias, custom_logit_processor, "
+            "return_logprob, streaming")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ One decode step, for the whole batch:
 3. verify: ONE target forward over every request's `[bonus, admitted drafts]` (ragged), run as
    `TARGET_VERIFY` so the logits processor keeps every row, and capturing the tapped layers;
 4. accept: first the logit changes SGLang's sampler would make (min_new_tokens bans, frequency /
-   presence / repetition penalties, grammar masks, logit_bias),
+   presence / repetition penalties, grammar masks, logit_bias, custom logit processors),
    then greedy rows by argmax match, sampled rows by rejection sampling on the forward's packed
    rows (`decoding.verify_greedy`, `decoding.verify_packed`); logprobs, when asked, from the same
    rows;
@@ -47,7 +47,8 @@ from sglang_dspark.engine import verify_attention
 from sglang_dspark.engine.grammar import (GrammarSteering, SlotLogits, apply_grammar_masks, guide_drafts,
                                           steer_walked_block)
 from sglang_dspark.engine.lookup import SlotLookups
-from sglang_dspark.engine.penalties import OutputHistories
+from sglang_dspark.engine.logit_processors import apply_custom_logit_processors, reads_request
+from sglang_dspark.engine.penalties import OutputHistories, penalise_rows, penalties_of
 from sglang_dspark.engine.planning import StepDecision, VerifyPlanner
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
 from sglang_dspark.engine.requests import StopBan, min_new_tokens_bans
@@ -119,7 +120,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         self.tap_store: torch.Tensor | None = None
         self._slot_owner: dict[int, str] = {}
         self.lookups = SlotLookups() if self.settings.lookup != "off" else None
-        self.penalised_outputs = OutputHistories()
+        self.output_histories = OutputHistories()
         self.vocab_size = self.model_runner.model_config.vocab_size
         self.row_argmax = _row_argmax_for(self.device)
         self.kernel_walk = _kernel_walk_for(self.drafter)
@@ -331,10 +332,13 @@ class DSparkLiveWorker(BaseSpecWorker):
         verified = time.perf_counter()
         window_lens = plan.verify_lens + 1
         _ban_stop_tokens(logits, min_new_tokens_bans(batch.reqs), seq_lens, window_lens)
-        self.penalised_outputs.penalise(logits, batch.reqs, bonus, seq_lens, drafts, window_lens)
+        histories = self.output_histories.refresh(batch.reqs, bonus, seq_lens, [
+            penalties_of(req.sampling_params).active or reads_request(req) for req in batch.reqs])
+        penalise_rows(logits, batch.reqs, histories, drafts, window_lens)
         if batch.has_grammar:
             apply_grammar_masks(logits, batch.reqs, bonus, drafts, window_lens, logits.shape[1])
         _add_logit_bias(logits, batch.sampling_info.logit_bias, window_lens)
+        apply_custom_logit_processors(logits, batch.sampling_info, histories, drafts, window_lens)
         # the rows acceptance reads, laid out for SGLang's spec logprobs when a request asks for them
         logprob_rows = _rows_at_stride(logits, window_lens, self.stride) if batch.return_logprob else None
         target_argmax = self.row_argmax(logits).cpu()
@@ -344,7 +348,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             outcome = verify_packed(draft, logits.cpu(), plan.verify_lens, params, self.verify_generator,
                                     target_argmax=target_argmax, sampler=self.target_sampler)
         accept_lens = outcome.num_accepted + 1
-        self.penalised_outputs.commit(batch.reqs, outcome.tokens, accept_lens)
+        self.output_histories.commit(batch.reqs, outcome.tokens, accept_lens)
         new_seq_lens = seq_lens + accept_lens
         if decision.draft or has_lookups:
             committed = _committed_rows(window_lens, accept_lens)
