@@ -37,11 +37,8 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sglang_dspark.engine.algorithm import DSparkLiveAlgorithm, create_worker_class, validate_server_args
-    from sglang_dspark.engine.requests import validate_request_hook
 
-    if "sglang.srt.managers.scheduler" in sys.modules:  # only scheduler processes validate requests
-        HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.validate_dllm_request",
-                              validate_request_hook, HookType.AFTER)
+    if "sglang.srt.managers.scheduler" in sys.modules:  # only scheduler processes run the model
         if cpu_engine_requested():
             import torch
 

@@ -24,16 +24,17 @@ SERVER_FLAVOURS = {
     # plain serving without overlap: the reference for penalties and for custom logit processors
     # that read the request, which SGLang's overlap scheduler applies a step late (it reads a
     # request's last output before the previous step is processed)
-    "baseline_sync": (["--disable-overlap-schedule", "--enable-custom-logit-processor"], {}),
+    "baseline_sync": (["--disable-overlap-schedule", "--enable-custom-logit-processor",
+                       "--enable-return-hidden-states"], {}),
     # verify every draft: uniform windows, overlap scheduling on; prompts over 48 tokens are
     # prefilled in chunks, so the drafter context is seeded chunk by chunk; every step drafts
     "dspark_overlap": (["--speculative-algorithm", "DSPARK_LIVE", "--chunked-prefill-size", "48",
-                        "--enable-custom-logit-processor"],
+                        "--enable-custom-logit-processor", "--enable-return-hidden-states"],
                        {"DSPARK_STEP_LOG": "{log_dir}/dspark_overlap-steps.jsonl"}),
     # the production planner (any cost table will do: it only has to make windows ragged),
     # overlap scheduling off
     "dspark_sync": (["--speculative-algorithm", "DSPARK_LIVE", "--disable-overlap-schedule",
-                     "--enable-custom-logit-processor"],
+                     "--enable-custom-logit-processor", "--enable-return-hidden-states"],
                     {"DSPARK_PLANNER": "production", "DSPARK_SPS_PATH": str(PROFILE),
                      "DSPARK_STEP_LOG": "{log_dir}/dspark_sync-steps.jsonl"}),
     # the production planner with a drafter whose drafts the target almost never accepts (over a

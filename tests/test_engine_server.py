@@ -341,6 +341,56 @@ def test_custom_logit_processors_steer_greedy_output_like_plain_serving(servers,
         "no processed request accepted a draft, so no window row saw an earlier draft"
 
 
+def _hidden_state_rows(meta: dict) -> tuple[list[list[float]], list[list[float]]]:
+    """`meta_info["hidden_states"]` as (the prompt's rows, the output tokens' rows). The prompt's
+    come first as one list, a row per prompt token of the prefill's last chunk (SGLang keeps only
+    that chunk's, and none for tokens the radix cache served); then a row per output token but the
+    last, each from the position that chose the next token (the first output token's is the
+    prompt's last row)."""
+    first, *outputs = meta["hidden_states"]
+    assert 1 <= len(first) <= meta["prompt_tokens"] - meta["cached_tokens"], (len(first), meta)
+    assert len(outputs) == meta["completion_tokens"] - 1, (len(outputs), meta["completion_tokens"])
+    return first, outputs
+
+
+@pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
+def test_hidden_states_are_returned_like_plain_serving(servers, server_pool, baseline_outputs, flavour):
+    """`return_hidden_states` (the prompt's final hidden states, then each output token's) beside
+    a request that does not ask: the same rows as plain serving, each output token's from the
+    verify row that chose it, accepted drafts' rows included."""
+    requests = [(PROMPTS[i], greedy(MAX_NEW[i], ignore_eos=True), mode)
+                for i, mode in ((2, True), (7, True), (5, True), (1, False))]
+    baseline_sync = server_pool.get("baseline_sync")[0].url
+
+    def run(url: str) -> list[dict]:
+        def post(request):
+            prompt, sampling, mode = request
+            body = {"text": prompt, "sampling_params": sampling, "return_hidden_states": mode}
+            response = httpx.post(f"{url}/generate", json=body, timeout=300)
+            response.raise_for_status()
+            return response.json()
+
+        with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+            return list(pool.map(post, requests))
+
+    want, got = run(baseline_sync), run(servers[flavour].url)
+    for (prompt, sampling, mode), g, w in zip(requests, got, want):
+        assert g["output_ids"] == w["output_ids"] == baseline_outputs[PROMPTS.index(prompt)]["output_ids"]
+        if not mode:
+            assert not g["meta_info"].get("hidden_states")
+            continue
+        (got_prompt, got_outputs), (want_prompt, want_outputs) = (_hidden_state_rows(g["meta_info"]),
+                                                                  _hidden_state_rows(w["meta_info"]))
+        shared = min(len(got_prompt), len(want_prompt))  # the prompt's last positions, computed by both
+        pairs = list(zip(got_prompt[len(got_prompt) - shared:], want_prompt[len(want_prompt) - shared:]))
+        pairs += list(zip(got_outputs, want_outputs))
+        assert shared >= 1 and len(pairs[0][0]) == len(pairs[0][1]) > 0
+        for row, (a, b) in enumerate(pairs):
+            assert a == pytest.approx(b, rel=1e-3, abs=1e-3), (prompt, row)
+    assert got[0]["meta_info"]["spec_verify_ct"] < got[0]["meta_info"]["completion_tokens"], \
+        "no draft was accepted, so no hidden state came from a draft's verify row"
+
+
 @pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
 def test_stop_string_truncates_like_plain_serving(servers, baseline_outputs, flavour):
     reference_text = baseline_outputs[7]["text"]

@@ -755,18 +755,26 @@ def test_a_custom_logit_processor_that_changes_the_shape_of_its_logits_is_a_clea
         apply_custom_logit_processors(torch.zeros(3, 10), info, [None], torch.tensor([[1, 2]]), torch.tensor([3]))
 
 
-def test_requests_the_verify_path_cannot_serve_are_refused_with_what_is_supported():
+@pytest.mark.parametrize("server_mode", ["FULL", "LAST"])
+def test_a_prefill_hands_sglang_the_hidden_states_in_the_layout_its_result_processor_reads(monkeypatch, server_mode):
+    """Every extend token's final hidden state when SGLang's result processor reads the FULL mode
+    (the server's `--enable-return-hidden-states`), each request's last one when LAST; none when
+    no request of the batch asks."""
     from types import SimpleNamespace
 
-    from sglang_dspark.engine.requests import unsupported_request_reason
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
-    served = SimpleNamespace(sampling_params=SimpleNamespace(regex="[a-z]+", frequency_penalty=0.5, min_p=0.1))
-    assert unsupported_request_reason(served) is None
-    refused = SimpleNamespace(sampling_params=served.sampling_params, return_hidden_states=True,
-                              custom_logit_processor="serialized")
-    reason = unsupported_request_reason(refused)
-    assert reason.startswith("DSPARK_LIVE does not support return_hidden_states yet")
-    assert "regex" in reason.split("supported:")[1]
+    from sglang_dspark.engine import worker
+
+    monkeypatch.setattr(worker, "get_server_return_hidden_states_mode", lambda: getattr(CaptureHiddenMode, server_mode))
+    final = torch.arange(7.0)[:, None].expand(7, 3)
+    output = SimpleNamespace(last_hidden_states=final)
+    batch = SimpleNamespace(return_hidden_states=True, return_hidden_states_mode=CaptureHiddenMode.LAST, spec_info=None)
+    hidden = worker._prefill_hidden_states(batch, output, torch.tensor([3, 4]))
+    assert hidden[:, 0].tolist() == ([0, 1, 2, 3, 4, 5, 6] if server_mode == "FULL" else [2, 6])
+    assert worker._prefill_hidden_states(SimpleNamespace(return_hidden_states=False), output, torch.tensor([3, 4])) is None
+    with pytest.raises(RuntimeError, match="final hidden states for 9 rows"):
+        worker._prefill_hidden_states(batch, output, torch.tensor([3, 6]))
 
 
 class ScriptedGrammar:

@@ -1,38 +1,18 @@
-"""Refuse, per request and with a clear 400, what the DSPARK_LIVE verify path does not implement.
+"""The `min_new_tokens` bans of a decode batch's verify rows.
 
 The verify path samples with `decoding.verify`, not SGLang's sampler, so every logit change the
-sampler makes must be made on the verify rows too, or a request would silently get a different
-output distribution. The plugin hooks the scheduler's request validation (which already aborts
-a request with a message) to refuse what is not. `min_new_tokens` is served: `min_new_tokens_bans` tells the
-worker which stop tokens to ban on which verify rows, as SGLang's penalizer does; so is
-`return_logprob` (the worker hands SGLang's `compute_spec_logprobs` the verify rows), and so is
-`logit_bias` (the batch's bias rows added to each request's verify rows), `min_p` (the verify
-path's sampling keeps SGLang's top-k / top-p / min-p set, `decoding.sampling`) and the frequency,
-presence and repetition penalties (each verify row penalised by the outputs before it,
-`engine.penalties`), and so are grammars (JSON schema, regex, EBNF, structural tags: each verify
-row masked by the grammar after the drafts before it, `engine.grammar`), and so are custom logit
-processors (each verify row processed with the request as it would stand at that row,
-`engine.logit_processors`).
+sampler makes is made on the verify rows instead: `min_new_tokens` here (the stop tokens SGLang's
+penalizer bans, on the rows it would ban them), frequency / presence / repetition penalties in
+`engine.penalties`, grammars in `engine.grammar`, custom logit processors in
+`engine.logit_processors`, logit_bias, min_p and logprobs in the worker. Every per-request
+feature SGLang lets a request ask of plain serving is served, so nothing is refused per request
+(SGLang itself refuses, at launch or per request, LoRA, watermarking and sampling masks with this
+algorithm).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-ALGORITHM_NAME = "DSPARK_LIVE"
-
-
-def unsupported_request_reason(req) -> str | None:
-    """Why `req` (an SGLang `Req`) cannot be served by DSPARK_LIVE, or None if it can."""
-    problems = []
-    if getattr(req, "return_hidden_states", False):
-        problems.append("return_hidden_states")
-    if not problems:
-        return None
-    return (f"{ALGORITHM_NAME} does not support {', '.join(problems)} yet; supported: temperature, top_p, "
-            "top_k, min_p, frequency/presence/repetition_penalty, json_schema, regex, ebnf, structural_tag, stop, "
-            "stop_token_ids, min_new_tokens, max_new_tokens, ignore_eos, logit_bias, custom_logit_processor, "
-            "return_logprob, streaming")
 
 
 @dataclass(frozen=True)
@@ -69,13 +49,3 @@ def min_new_tokens_bans(reqs) -> list[StopBan]:
         if ids:
             bans.append(StopBan(index, len(req.origin_input_ids) + minimum - 1, tuple(sorted(ids))))
     return bans
-
-
-def validate_request_hook(result, scheduler, req, *args, **kwargs):
-    """AFTER hook on `Scheduler.validate_dllm_request`: add our refusal when serving DSPARK_LIVE."""
-    if result is not None:
-        return result
-    algorithm = getattr(scheduler, "spec_algorithm", None)
-    if getattr(algorithm, "name", None) != ALGORITHM_NAME:
-        return None
-    return unsupported_request_reason(req)

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -36,7 +37,9 @@ from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.utils import GenerationBatchResult
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch, ForwardMode,
+                                                          get_required_capture_hidden_mode,
+                                                          get_server_return_hidden_states_mode)
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
@@ -216,7 +219,8 @@ class DSparkLiveWorker(BaseSpecWorker):
         prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.long)
         extend_lens = torch.tensor(batch.extend_lens, dtype=torch.long)
         self._align_context(slots, prefix_lens, [str(req.rid) for req in batch.reqs])
-        result = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        with _keeping_final_hidden(self.model_runner.model, batch.return_hidden_states):
+            result = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         taps = result.logits_output.hidden_states
         if taps is None or taps.shape[0] != int(extend_lens.sum()):
             raise RuntimeError(
@@ -227,7 +231,8 @@ class DSparkLiveWorker(BaseSpecWorker):
         if self.lookups is not None:
             for slot, req in zip(slots.tolist(), batch.reqs):
                 self.lookups.reset(slot, list(req.get_fill_ids()))  # the tokens whose KV this extend completed
-        result.logits_output.hidden_states = None
+        result.logits_output.hidden_states = _prefill_hidden_states(batch, result.logits_output, extend_lens)
+        result.logits_output.last_hidden_states = None
         result.new_seq_lens = batch.seq_lens
         if on_publish is not None:
             on_publish(batch.seq_lens)
@@ -328,7 +333,8 @@ class DSparkLiveWorker(BaseSpecWorker):
             drafts = draft.tokens[:, :0].to(self.device)
         drafted = time.perf_counter()
 
-        logits, taps, window_kv_slots = self._verify_forward(batch, slots, seq_lens, bonus, drafts, plan.verify_lens)
+        logits, taps, window_kv_slots, final_hidden = self._verify_forward(batch, slots, seq_lens, bonus, drafts,
+                                                                           plan.verify_lens)
         verified = time.perf_counter()
         window_lens = plan.verify_lens + 1
         _ban_stop_tokens(logits, min_new_tokens_bans(batch.reqs), seq_lens, window_lens)
@@ -374,6 +380,9 @@ class DSparkLiveWorker(BaseSpecWorker):
             compute_spec_logprobs(batch, logits_output, next_tokens.reshape(-1).to(self.device),
                                   chain_stride=self.stride)
             logits_output.next_token_logits = None  # the scheduler reads only the logprobs
+        if final_hidden is not None:  # request b's output token j came from its window row j
+            logits_output = logits_output or LogitsProcessorOutput(next_token_logits=None)
+            logits_output.hidden_states = _rows_at_stride(final_hidden, window_lens, self.stride)
         self._record(batch, rids, slots, seq_lens, params, plan, outcome.num_accepted,
                      started, drafted, verified, decision, caught_up, times)
         return GenerationBatchResult(
@@ -509,8 +518,9 @@ class DSparkLiveWorker(BaseSpecWorker):
                         bonus: torch.Tensor, drafts: torch.Tensor, verify_lens: torch.Tensor):
         """One TARGET_VERIFY forward over each request's `[bonus, first verify_lens[b] drafts]`.
 
-        Returns packed logits `[sum(w), V]` (on the device), taps `[sum(w), m*d]` and the window rows' KV slots. The
-        window's KV slots were reserved by the scheduler (`eagle_prepare_for_decode`: 2 x window past
+        Returns packed logits `[sum(w), V]` (on the device), taps `[sum(w), m*d]`, the window rows' KV slots and,
+        when a request of the batch asks for hidden states, the target's final hidden states `[sum(w), d]` (else
+        None). The window's KV slots were reserved by the scheduler (`eagle_prepare_for_decode`: 2 x window past
         the committed length).
         """
         self._install_verify_attention()
@@ -536,8 +546,9 @@ class DSparkLiveWorker(BaseSpecWorker):
             forward_batch = ForwardBatch.init_new(batch, self.model_runner, capture_hidden_mode=CaptureHiddenMode.FULL,
                                                   return_hidden_states_before_norm=False)
             _reshape_as_extend(forward_batch, seq_lens, window_lens, self.device)
-            result = self._target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch,
-                                                                  is_verify=True)
+            with _keeping_final_hidden(self.model_runner.model, batch.return_hidden_states):
+                result = self._target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch,
+                                                                      is_verify=True)
         finally:
             batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info = saved
         if self.settings.verify_attention == "linear" and (
@@ -548,7 +559,8 @@ class DSparkLiveWorker(BaseSpecWorker):
         logits = output.next_token_logits[:, : self.vocab_size]
         if output.hidden_states is None or output.hidden_states.shape[0] != logits.shape[0]:
             raise RuntimeError("DSPARK_LIVE verify: the target returned no taps for the verify window")
-        return logits, output.hidden_states.cpu(), out_cache_loc
+        final_hidden = _final_hidden_states(output, logits.shape[0]) if batch.return_hidden_states else None
+        return logits, output.hidden_states.cpu(), out_cache_loc, final_hidden
 
     # ------------------------------------------------------------------ records
 
@@ -587,6 +599,51 @@ class DSparkLiveWorker(BaseSpecWorker):
             plan_seconds=times.plan,
             requests=requests,
         ))
+
+
+@contextmanager
+def _keeping_final_hidden(model, wanted: bool) -> Iterator[None]:
+    """Have the target's logits processor hand back its final (normed) hidden states, beside the
+    taps it returns as `hidden_states`, for a forward whose batch has a request that asks for
+    them (`return_hidden_states`): SGLang's processor keeps them, as `last_hidden_states`, when
+    `keep_last_hidden_states` is set (its aux-capture feature sets it at launch)."""
+    if not wanted:
+        yield
+        return
+    processor = getattr(model, "logits_processor", None)
+    if processor is None or not hasattr(processor, "keep_last_hidden_states"):
+        raise RuntimeError(f"DSPARK_LIVE: the target {type(model).__name__} has no logits processor that can keep "
+                           "its final hidden states, so return_hidden_states cannot be served")
+    saved = processor.keep_last_hidden_states
+    processor.keep_last_hidden_states = True
+    try:
+        yield
+    finally:
+        processor.keep_last_hidden_states = saved
+
+
+def _final_hidden_states(output: LogitsProcessorOutput, rows: int) -> torch.Tensor:
+    """The final hidden states of a forward run under `_keeping_final_hidden`, one per row."""
+    final = output.last_hidden_states
+    if final is None or final.shape[0] != rows:
+        raise RuntimeError(f"DSPARK_LIVE: expected the target's final hidden states for {rows} rows, got "
+                           f"{None if final is None else tuple(final.shape)}")
+    return final
+
+
+def _prefill_hidden_states(batch: ScheduleBatch, output: LogitsProcessorOutput,
+                           extend_lens: torch.Tensor) -> torch.Tensor | None:
+    """What plain serving's prefill returns as `hidden_states` for a batch that asks for them, in
+    the layout SGLang's result processor reads (`_append_prefill_hidden_states`): every extend
+    token's final hidden state when it reads the FULL mode, each request's last one when LAST."""
+    if not batch.return_hidden_states:
+        return None
+    final = _final_hidden_states(output, int(extend_lens.sum()))
+    mode = get_required_capture_hidden_mode(max(batch.return_hidden_states_mode, get_server_return_hidden_states_mode()),
+                                            batch.spec_info)
+    if mode.is_full():
+        return final
+    return final[(torch.cumsum(extend_lens, 0) - 1).to(final.device)]
 
 
 def _reshape_as_extend(forward_batch: ForwardBatch, seq_lens: torch.Tensor, window_lens: torch.Tensor,
