@@ -43,6 +43,10 @@ SERVER_FLAVOURS = {
     "dspark_skip": (["--speculative-algorithm", "DSPARK_LIVE"],
                     {"DSPARK_PLANNER": "production", "DSPARK_SPS_PATH": str(FAST_ENGINE_TABLE),
                      "DSPARK_STEP_LOG": "{log_dir}/dspark_skip-steps.jsonl"}),
+    # a KV pool far smaller than the running requests need, admitted optimistically: requests are
+    # retracted mid-decode (their KV freed) and prefilled again later
+    "dspark_tight": (["--speculative-algorithm", "DSPARK_LIVE", "--max-total-tokens", "400",
+                      "--schedule-conservativeness", "0.05"], {}),
     # bfloat16 pair: SGLang's own bf16 attention rounds a verify window differently from a decode
     # step; the plugin's paged attention must not
     "baseline_bf16": (["--dtype", "bfloat16"], {}),

@@ -423,6 +423,20 @@ def test_openai_routes_match_plain_serving(servers):
         assert outputs[0] == outputs[1], route
 
 
+def test_requests_retracted_under_memory_pressure_resume_with_plain_servings_output(servers, server_pool):
+    """A KV pool too small for the batch it admitted: SGLang retracts requests mid-decode and
+    prefills them again later (prompt and outputs so far); the drafter context and lookups of a
+    slot that a retracted request leaves, and that it or another comes back to, must not carry
+    over, so greedy output stays plain serving's."""
+    requests = [(prompt, greedy(160, min_new_tokens=160)) for prompt in PROMPTS]  # no EOS: every request runs long
+    want = generate_all(servers["baseline"].url, requests)
+    got = generate_all(server_pool.get("dspark_tight")[0].url, requests)
+    assert sum(g["meta_info"]["num_retractions"] for g in got) >= 1, "no request was retracted"
+    for (prompt, _), g, w in zip(requests, got, want):
+        assert g["output_ids"] == w["output_ids"], prompt
+    assert any(g["meta_info"]["spec_verify_ct"] < g["meta_info"]["completion_tokens"] for g in got)
+
+
 def _running_requests(url: str) -> int:
     loads = httpx.get(f"{url}/v1/loads", timeout=30).json()
     return sum(int(item.get("num_running_reqs", 0)) + int(item.get("num_waiting_reqs", 0))
