@@ -7,13 +7,15 @@
 //
 // Each (row, head) is computed start to end by one thread, with the same operation order whatever
 // the number of rows, heads or threads: a verify row gets the bits of the one-token decode that
-// would have seen the same keys. Scores, softmax and the weighted sum are float32; the output is
+// would have seen the same keys. A window's rows are attended together, so each key row is read
+// once for the window, not once per row. Scores, softmax and the weighted sum are float32; the output is
 // rounded once (bfloat16: to nearest even, as torch does). The query is scaled before the dot
 // products, and e^x is a fixed polynomial (`simd16.h`), so results differ from torch's SDPA in the last bits.
 #include <stdint.h>
 
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "simd16.h"
@@ -35,61 +37,134 @@ inline float softmax_weights(float* scores, int64_t count) {
   return vreduce_add(total);
 }
 
-// The `group` query heads of one row that share a KV head: each key and value row is loaded once
-// for all of them; each head's arithmetic is the same whatever the group size.
-template <typename T, int chunks, int group>
-void attend_group(const T* q, int64_t q_stride_h, const T* k, const T* v, int64_t kv_stride_s,
-                  const int32_t* slots, int64_t count, T* out, int64_t out_stride_h, float scale,
-                  std::vector<float>& scores) {
-  vec16 query[group][chunks];
-  for (int h = 0; h < group; ++h)
-    for (int c = 0; c < chunks; ++c) query[h][c] = vmul(vload(q + h * q_stride_h + c * kLanes), vset1(scale));
-  scores.resize(static_cast<size_t>(group * count));
-  for (int64_t j = 0; j < count; ++j) {
-    const T* key = k + static_cast<int64_t>(slots[j]) * kv_stride_s;
-    vec16 key_chunks[chunks];
-    for (int c = 0; c < chunks; ++c) key_chunks[c] = vload(key + c * kLanes);
+constexpr int kMaxRows = 8;  // window rows attended together (a verify window is gamma + 1 rows)
+
+// Rows 0..rows-1 of one request's window (they see the same keys: row r the first counts[r] of
+// `slots`) and the `group` query heads that share one KV head: each key and value row is loaded
+// once for all of them, where a row at a time read the prefix once per row (at 2,000 tokens of
+// context that made a window of 5 cost 6x a decode step's attention). Each (row, head) does the
+// same arithmetic in the same order whatever the rows and heads beside it, so a window row gets
+// the bits of the one-token decode that sees the same keys. `max_rows` 1 is the decode case
+// (its loops known to run once).
+template <typename T, int chunks, int group, int max_rows>
+void attend_rows(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k, const T* v, int64_t kv_stride_s,
+                 const int32_t* slots, const int64_t* counts, int rows, T* out, int64_t out_stride_t,
+                 int64_t out_stride_h, float scale, std::vector<float>& scores) {
+  const int n = max_rows == 1 ? 1 : rows;
+  vec16 query[max_rows][group][chunks];
+  int64_t longest = 0;
+  for (int r = 0; r < n; ++r) {
+    longest = counts[r] > longest ? counts[r] : longest;
+    for (int h = 0; h < group; ++h)
+      for (int c = 0; c < chunks; ++c)
+        query[r][h][c] = vmul(vload(q + r * q_stride_t + h * q_stride_h + c * kLanes), vset1(scale));
+  }
+  scores.resize(static_cast<size_t>(n * group * longest));
+  float* const score_rows = scores.data();  // (row r, head h) at (r * group + h) * longest
+  // Scores 16 keys at a time: each key's dot products stay in a vector until `vsum16` reduces the
+  // block's 16 at once. A key's score depends only on its own products and its place in its block
+  // of 16, which is the same for every row that sees it.
+  vec16 keys[kLanes][chunks];
+  for (int64_t block = 0; block < longest; block += kLanes) {
+    const int in_block = longest - block < kLanes ? static_cast<int>(longest - block) : kLanes;
+    for (int i = 0; i < kLanes; ++i)
+      for (int c = 0; c < chunks; ++c)
+        keys[i][c] = i < in_block ? vload(k + static_cast<int64_t>(slots[block + i]) * kv_stride_s + c * kLanes)
+                                  : vzero();
+    for (int r = 0; r < n; ++r) {
+      if (block >= counts[r]) continue;
+      const lanemask seen = first_lanes(counts[r] - block);
+      for (int h = 0; h < group; ++h) {
+        vec16 products[kLanes];
+        for (int i = 0; i < kLanes; ++i) {
+          products[i] = vmul(query[r][h][0], keys[i][0]);
+          for (int c = 1; c < chunks; ++c) products[i] = vfmadd(query[r][h][c], keys[i][c], products[i]);
+        }
+        vstore_masked(score_rows + (r * group + h) * longest + block, seen, vsum16(products));
+      }
+    }
+  }
+  float inverse[max_rows][group];
+  vec16 acc[max_rows][group][chunks];
+  for (int r = 0; r < n; ++r)
     for (int h = 0; h < group; ++h) {
-      vec16 dot = vmul(query[h][0], key_chunks[0]);
-      for (int c = 1; c < chunks; ++c) dot = vfmadd(query[h][c], key_chunks[c], dot);
-      scores[h * count + j] = vreduce_add(dot);
+      inverse[r][h] = 1.0f / softmax_weights(score_rows + (r * group + h) * longest, counts[r]);
+      for (int c = 0; c < chunks; ++c) acc[r][h][c] = vzero();
     }
-  }
-  float inverse[group];
-  for (int h = 0; h < group; ++h) inverse[h] = 1.0f / softmax_weights(scores.data() + h * count, count);
-  vec16 acc[group][chunks];
-  for (int h = 0; h < group; ++h)
-    for (int c = 0; c < chunks; ++c) acc[h][c] = vzero();
-  for (int64_t j = 0; j < count; ++j) {
+  for (int64_t j = 0; j < longest; ++j) {
     const T* value = v + static_cast<int64_t>(slots[j]) * kv_stride_s;
-    for (int c = 0; c < chunks; ++c) {
-      const vec16 value_chunk = vload(value + c * kLanes);
-      for (int h = 0; h < group; ++h)
-        acc[h][c] = vfmadd(vset1(scores[h * count + j]), value_chunk, acc[h][c]);
+    vec16 value_chunks[chunks];
+    for (int c = 0; c < chunks; ++c) value_chunks[c] = vload(value + c * kLanes);
+    for (int r = 0; r < n; ++r) {
+      if (j >= counts[r]) continue;
+      for (int h = 0; h < group; ++h) {
+        const vec16 weight = vset1(score_rows[(r * group + h) * longest + j]);
+        for (int c = 0; c < chunks; ++c) acc[r][h][c] = vfmadd(weight, value_chunks[c], acc[r][h][c]);
+      }
     }
   }
-  for (int h = 0; h < group; ++h)
-    for (int c = 0; c < chunks; ++c)
-      vstore(out + h * out_stride_h + c * kLanes, vmul(acc[h][c], vset1(inverse[h])));
+  for (int r = 0; r < n; ++r)
+    for (int h = 0; h < group; ++h)
+      for (int c = 0; c < chunks; ++c)
+        vstore(out + r * out_stride_t + h * out_stride_h + c * kLanes, vmul(acc[r][h][c], vset1(inverse[r][h])));
+}
+
+// One work item: `rows` consecutive query rows of one request's window and one KV head.
+struct Item {
+  int64_t first_row;
+  int rows;
+  int kv_head;
+};
+
+// Each request's window (consecutive rows with the same key_start) in as few pieces as keep every
+// thread busy: whole windows (up to kMaxRows rows) where the batch gives at least two items a
+// thread, else each window split into about equal parts (a window of 5 at batch 1 with 3 KV heads
+// on 2 threads: 3 + 2 rows, 6 items).
+std::vector<Item> plan_items(const int64_t* key_start, int64_t rows, int kv_heads, int threads) {
+  std::vector<std::pair<int64_t, int>> windows;
+  for (int64_t t = 0; t < rows;) {
+    int64_t end = t + 1;
+    while (end < rows && key_start[end] == key_start[t]) ++end;
+    windows.emplace_back(t, static_cast<int>(end - t));
+    t = end;
+  }
+  const int64_t wanted = 2 * static_cast<int64_t>(threads);
+  const int64_t whole = static_cast<int64_t>(windows.size()) * kv_heads;
+  const int64_t parts_wanted = whole >= wanted ? 1 : (wanted + whole - 1) / whole;
+  std::vector<Item> items;
+  for (const auto& [first, length] : windows) {
+    int64_t parts = parts_wanted < length ? parts_wanted : length;
+    const int64_t pieces_needed = (length + kMaxRows - 1) / kMaxRows;
+    parts = parts > pieces_needed ? parts : pieces_needed;
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t begin = first + p * length / parts;
+      const int64_t stop = first + (p + 1) * length / parts;
+      for (int g = 0; g < kv_heads; ++g) items.push_back({begin, static_cast<int>(stop - begin), g});
+    }
+  }
+  return items;
 }
 
 template <typename T, int chunks, int group>
 void attend(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k, const T* v, int64_t kv_stride_s,
             int64_t kv_stride_h, const int32_t* slots, const int64_t* key_start, const int64_t* key_count, T* out,
             int64_t out_stride_t, int64_t out_stride_h, int64_t rows, int kv_heads, float scale, int threads) {
-  const int64_t items = rows * kv_heads;
+  const std::vector<Item> items = plan_items(key_start, rows, kv_heads, threads);
+  const int64_t count = static_cast<int64_t>(items.size());
   int64_t work = 0;  // key rows read in all: small calls run on the calling thread (no fork/join)
   for (int64_t t = 0; t < rows; ++t) work += key_count[t] * kv_heads;
 #pragma omp parallel num_threads(threads) if (work >= 4096)
   {
     std::vector<float> scores;
 #pragma omp for schedule(static)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t t = item / kv_heads;
-      const int g = static_cast<int>(item % kv_heads);
-      attend_group<T, chunks, group>(q + t * q_stride_t + g * group * q_stride_h, q_stride_h, k + g * kv_stride_h,
-                                     v + g * kv_stride_h, kv_stride_s, slots + key_start[t], key_count[t],
-                                     out + t * out_stride_t + g * group * out_stride_h, out_stride_h, scale, scores);
+    for (int64_t i = 0; i < count; ++i) {
+      const Item& item = items[i];
+      const int64_t t = item.first_row;
+      const int g = item.kv_head;
+      const auto run = item.rows == 1 ? attend_rows<T, chunks, group, 1> : attend_rows<T, chunks, group, kMaxRows>;
+      run(q + t * q_stride_t + g * group * q_stride_h, q_stride_t, q_stride_h, k + g * kv_stride_h,
+          v + g * kv_stride_h, kv_stride_s, slots + key_start[t], key_count + t, item.rows,
+          out + t * out_stride_t + g * group * out_stride_h, out_stride_t, out_stride_h, scale, scores);
     }
   }
 }
