@@ -341,6 +341,31 @@ def test_custom_logit_processors_steer_greedy_output_like_plain_serving(servers,
         "no processed request accepted a draft, so no window row saw an earlier draft"
 
 
+@pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
+def test_a_custom_logit_processor_that_fails_aborts_its_request_not_the_server(servers, baseline_outputs, flavour):
+    """A processor that raises on its request's params (SGLang's banned-tokens processor without
+    `token_ids`): that request is refused with the error, beside it a request with the same
+    processor and good params and a plain one are served as usual, and the server stays up (plain
+    serving's sampler would have taken the server down)."""
+    from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
+
+    url = servers[flavour].url
+    processor = DisallowedTokensLogitsProcessor.to_str()
+    banned = [token for token, _ in _first_occurrences(baseline_outputs[2]["output_ids"], list(range(2, 30)))[:2]]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        failing = pool.submit(httpx.post, f"{url}/generate", timeout=300, json={
+            "text": PROMPTS[2], "custom_logit_processor": processor,
+            "sampling_params": {**greedy(40, ignore_eos=True), "custom_params": {}}})
+        good = pool.submit(generate_processed, url, PROMPTS[2], processor, {"token_ids": banned},
+                           **greedy(40, ignore_eos=True))
+        plain = pool.submit(generate, url, PROMPTS[1], **greedy(MAX_NEW[1], ignore_eos=True))
+        failed, good, plain = failing.result(), good.result(), plain.result()
+    assert failed.status_code == 400 and "KeyError" in failed.text, failed.text[:300]
+    assert not set(banned) & set(good["output_ids"])
+    assert plain["output_ids"] == baseline_outputs[1]["output_ids"]
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+
+
 def _hidden_state_rows(meta: dict) -> tuple[list[list[float]], list[list[float]]]:
     """`meta_info["hidden_states"]` as (the prompt's rows, the output tokens' rows). The prompt's
     come first as one list, a row per prompt token of the prefill's last chunk (SGLang keeps only

@@ -733,7 +733,7 @@ def test_each_verify_row_of_a_custom_logit_processor_sees_the_request_as_it_stan
     info = SimpleNamespace(has_custom_logit_processor=True, custom_params=[None, request.sampling_params.custom_params],
                            custom_logit_processor={0: SimpleNamespace(processor=processor, rows=[1])})
     logits = torch.zeros(2 + 3, 10)
-    apply_custom_logit_processors(logits, info, outputs, drafts=torch.tensor([[0, 0], [8, 5]]),
+    apply_custom_logit_processors(logits, info, reqs, outputs, drafts=torch.tensor([[0, 0], [8, 5]]),
                                   window_lens=torch.tensor([2, 3]))
     banned = [row.isinf().nonzero().flatten().tolist() for row in logits]
     assert banned == [[], [], [4], [8], [5]], "rows after the bonus 4 and the drafts 8, 5; request b untouched"
@@ -741,18 +741,33 @@ def test_each_verify_row_of_a_custom_logit_processor_sees_the_request_as_it_stan
     assert request.output_ids == [], "the request itself is not changed"
 
 
-def test_a_custom_logit_processor_that_changes_the_shape_of_its_logits_is_a_clear_error():
+def test_a_custom_logit_processor_that_fails_for_one_request_aborts_that_request_alone():
+    """A processor that raises, or returns logits of another shape, for one request's params is
+    run again request by request: the others' rows are processed, the failing request is aborted
+    with the error and its rows are left as they were."""
     from types import SimpleNamespace
 
     from sglang_dspark.engine.logit_processors import apply_custom_logit_processors
 
+    def ban_listed(logits, params):
+        for row, param in enumerate(params):
+            logits[row, param["token_ids"]] = float("-inf")
+        return logits
+
     def first_row_only(logits, params):
         return logits[:1]
 
-    info = SimpleNamespace(has_custom_logit_processor=True, custom_params=[None],
-                           custom_logit_processor={0: SimpleNamespace(processor=first_row_only, rows=[0])})
-    with pytest.raises(RuntimeError, match="must return logits of the shape it was given"):
-        apply_custom_logit_processors(torch.zeros(3, 10), info, [None], torch.tensor([[1, 2]]), torch.tensor([3]))
+    reqs = [SimpleNamespace(rid=rid, to_finish=None) for rid in "abc"]
+    info = SimpleNamespace(has_custom_logit_processor=True, custom_params=[{"token_ids": [1]}, {}, None],
+                           custom_logit_processor={0: SimpleNamespace(processor=ban_listed, rows=[0, 1]),
+                                                   1: SimpleNamespace(processor=first_row_only, rows=[2])})
+    logits = torch.zeros(2 + 2 + 3, 5)
+    apply_custom_logit_processors(logits, info, reqs, [None] * 3, torch.tensor([[4, 0], [4, 0], [1, 2]]),
+                                  torch.tensor([2, 2, 3]))
+    assert logits[:2, 1].isinf().all() and int(logits.isinf().sum()) == 2, "request a's rows alone processed"
+    assert reqs[0].to_finish is None
+    assert "ban_listed failed: KeyError" in reqs[1].to_finish.message
+    assert "must return logits of the shape it was given" in reqs[2].to_finish.message
 
 
 @pytest.mark.parametrize("server_mode", ["FULL", "LAST"])

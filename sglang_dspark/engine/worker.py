@@ -19,8 +19,9 @@ One decode step, for the whole batch:
 6. `on_publish(new_seq_lens)` exactly once, then the V2 result with `next_draft_input`.
 
 The scheduler owns request state, KV allocation and finishing (EOS, stop strings,
-max_new_tokens): the worker never mutates a request; the result processor truncates an accepted
-run where a request finishes.
+max_new_tokens): the worker never mutates a request (but to abort one whose custom logit
+processor fails, in a verify row or in the prefill's sampler, as SGLang aborts a running
+request); the result processor truncates an accepted run where a request finishes.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from sglang_dspark.engine import verify_attention
 from sglang_dspark.engine.grammar import (GrammarSteering, SlotLogits, apply_grammar_masks, guide_drafts,
                                           steer_walked_block)
 from sglang_dspark.engine.lookup import SlotLookups
-from sglang_dspark.engine.logit_processors import apply_custom_logit_processors, reads_request
+from sglang_dspark.engine.logit_processors import (apply_custom_logit_processors, isolated_prefill_processors,
+                                                   reads_request)
 from sglang_dspark.engine.penalties import OutputHistories, penalise_rows, penalties_of
 from sglang_dspark.engine.planning import StepDecision, VerifyPlanner
 from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
@@ -219,7 +221,8 @@ class DSparkLiveWorker(BaseSpecWorker):
         prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.long)
         extend_lens = torch.tensor(batch.extend_lens, dtype=torch.long)
         self._align_context(slots, prefix_lens, [str(req.rid) for req in batch.reqs])
-        with _keeping_final_hidden(self.model_runner.model, batch.return_hidden_states):
+        with (_keeping_final_hidden(self.model_runner.model, batch.return_hidden_states),
+              isolated_prefill_processors(batch.sampling_info, batch.reqs)):
             result = self._target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         taps = result.logits_output.hidden_states
         if taps is None or taps.shape[0] != int(extend_lens.sum()):
@@ -344,7 +347,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         if batch.has_grammar:
             apply_grammar_masks(logits, batch.reqs, bonus, drafts, window_lens, logits.shape[1])
         _add_logit_bias(logits, batch.sampling_info.logit_bias, window_lens)
-        apply_custom_logit_processors(logits, batch.sampling_info, histories, drafts, window_lens)
+        apply_custom_logit_processors(logits, batch.sampling_info, batch.reqs, histories, drafts, window_lens)
         # the rows acceptance reads, laid out for SGLang's spec logprobs when a request asks for them
         logprob_rows = _rows_at_stride(logits, window_lens, self.stride) if batch.return_logprob else None
         target_argmax = self.row_argmax(logits).cpu()
