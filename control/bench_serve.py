@@ -243,18 +243,44 @@ def verify_cost(launch: ServerLaunch, model_path: str, contexts: list[int], log_
     filler = " ".join(f"item {i} is {i * 7 % 13}." for i in range(4000))
     filler_ids = tokenizer(filler)["input_ids"]
     with running({"verify-cost": launch}, log_dir):
-        result = {}
+        steps_by_context = {}
         for context in contexts:
             seen = _line_count(step_log)  # the server holds the log open: read past, never unlink
             text = tokenizer.decode(filler_ids[:context])
             _generate(launch.url, text, 64)
             steps = [json.loads(line) for line in step_log.read_text().splitlines()[seen:]]
-            seconds = [s["verify_seconds"] for s in steps if s["batch_size"] == 1][5:]
-            result[str(context)] = {"verify_seconds_median": statistics.median(seconds), "steps": len(seconds),
-                                    "verify_tokens_median": statistics.median(s["verify_tokens"] for s in steps)}
-        low, high = (result[str(c)]["verify_seconds_median"] for c in (min(contexts), max(contexts)))
-        result["ratio_long_to_short"] = high / low
-        return result
+            steps_by_context[context] = [s for s in steps if s["batch_size"] == 1][5:]
+    return verify_cost_summary(steps_by_context)
+
+
+def verify_cost_summary(steps_by_context: dict[int, list[dict]], min_steps: int = 3) -> dict:
+    """Per context: the median verify seconds of its steps and, per verify width (tokens a step),
+    the median and count; `ratio_long_to_short` compares the longest context's median with the
+    shortest's. The planner picks the widths, so the two contexts may verify different numbers
+    of tokens: `ratio_at_same_width` compares them at the width both verified most often (at
+    least `min_steps` steps each), the cost of context alone."""
+    result: dict = {}
+    for context, steps in steps_by_context.items():
+        widths: dict[int, list[float]] = {}
+        for step in steps:
+            widths.setdefault(int(step["verify_tokens"]), []).append(step["verify_seconds"])
+        result[str(context)] = {
+            "verify_seconds_median": statistics.median(s["verify_seconds"] for s in steps), "steps": len(steps),
+            "verify_tokens_median": statistics.median(s["verify_tokens"] for s in steps),
+            "by_verify_tokens": {str(width): {"verify_seconds_median": statistics.median(seconds),
+                                              "steps": len(seconds)} for width, seconds in sorted(widths.items())},
+        }
+    low, high = str(min(steps_by_context)), str(max(steps_by_context))
+    result["ratio_long_to_short"] = result[high]["verify_seconds_median"] / result[low]["verify_seconds_median"]
+    short, long = result[low]["by_verify_tokens"], result[high]["by_verify_tokens"]
+    shared = [(min(short[w]["steps"], long[w]["steps"]), int(w)) for w in short.keys() & long.keys()]
+    shared = [(count, width) for count, width in shared if count >= min_steps]
+    result["ratio_at_same_width"] = None
+    if shared:  # the most steps at both; a tie goes to the wider window
+        width = str(max(shared)[1])
+        result["ratio_at_same_width"] = {"verify_tokens": int(width), "ratio": (
+            long[width]["verify_seconds_median"] / short[width]["verify_seconds_median"])}
+    return result
 
 
 def speedups(arms: dict) -> dict:

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from dspark_ctl.bench_serve import step_summary
+from dspark_ctl.bench_serve import step_summary, verify_cost_summary
 
 
 def _step(drafted: bool, draft: float, verify: float, measured: float, predicted: float | None) -> dict:
@@ -308,3 +308,19 @@ def test_a_wave_keeps_c_clients_busy_each_sending_its_next_request_when_the_last
     assert sorted(measured[:12]) == sorted(prompts[:12]), "the first wave: the first 12 prompts"
     assert sorted(measured[12:]) == sorted(prompts[12:] + prompts[:4]), "the next wave goes on from there"
     assert cells["plain"]["3"]["repeats"] == 2
+
+
+def test_verify_cost_compares_the_contexts_overall_and_at_the_width_both_verified_most():
+    """The planner chose 8-token windows at the short context and mostly 3-token ones at the long
+    one: the overall ratio mixes widths, the same-width one is the cost of context alone."""
+    def steps(pairs):
+        return [{"verify_tokens": tokens, "verify_seconds": seconds} for tokens, seconds in pairs]
+
+    short = steps([(8, 0.030)] * 5 + [(3, 0.025)] * 3 + [(5, 0.028)] * 2)
+    long = steps([(3, 0.040)] * 6 + [(8, 0.050)] * 4 + [(5, 0.045)] * 2)
+    report = verify_cost_summary({200: short, 2000: long})
+    assert report["200"]["by_verify_tokens"]["8"] == {"verify_seconds_median": 0.030, "steps": 5}
+    assert report["ratio_long_to_short"] == pytest.approx(0.0425 / 0.029)  # medians over all widths
+    assert report["ratio_at_same_width"] == {"verify_tokens": 8, "ratio": pytest.approx(0.050 / 0.030)}
+    assert verify_cost_summary({200: short, 2000: long[:6] + long[-2:]})["ratio_at_same_width"]["verify_tokens"] == 3
+    assert verify_cost_summary({200: short[:5], 2000: long[:6]})["ratio_at_same_width"] is None
