@@ -664,8 +664,9 @@ def _penalised_req(rid: str, output_ids: list[int], frequency: float = 1.0):
 def _penalise(histories, logits, reqs, bonus, seq_lens, drafts, window_lens) -> None:
     from sglang_dspark.engine.penalties import penalise_rows, penalties_of
 
-    outputs = histories.refresh(reqs, bonus, seq_lens, [penalties_of(req.sampling_params).active for req in reqs])
-    penalise_rows(logits, reqs, outputs, drafts, window_lens)
+    penalties = [penalties_of(req.sampling_params) for req in reqs]
+    outputs = histories.refresh(reqs, bonus, seq_lens, [p.active for p in penalties])
+    penalise_rows(logits, reqs, penalties, outputs, drafts, window_lens)
 
 
 def test_penalties_follow_the_outputs_the_worker_commits_while_sglangs_lag_a_step():

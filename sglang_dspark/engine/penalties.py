@@ -25,20 +25,23 @@ def penalties_of(sampling_params) -> Penalties:
                      repetition=float(getattr(sampling_params, "repetition_penalty", 1.0) or 1.0))
 
 
-def penalise_rows(logits: torch.Tensor, reqs, outputs: Sequence[list[int] | None], drafts: torch.Tensor,
-                  window_lens: torch.Tensor) -> None:
+def penalise_rows(logits: torch.Tensor, reqs, penalties: Sequence[Penalties], outputs: Sequence[list[int] | None],
+                  drafts: torch.Tensor, window_lens: torch.Tensor) -> None:
     """Penalise the packed verify rows (request b's `window_lens[b]` rows, its window being the
-    bonus and `drafts[b, :window_lens[b] - 1]`) of every request that sets a penalty; `outputs[b]`
-    are its output tokens through the bonus (`OutputHistories.refresh`)."""
-    first = 0
-    for b, req in enumerate(reqs):
+    bonus and `drafts[b, :window_lens[b] - 1]`) of every request whose `penalties[b]` (from
+    `penalties_of`, read once a step by the caller) are active; `outputs[b]` are its output tokens
+    through the bonus (`OutputHistories.refresh`)."""
+    if not any(p.active for p in penalties):
+        return
+    starts = (torch.cumsum(window_lens, 0) - window_lens).tolist()
+    for b, (req, request_penalties) in enumerate(zip(reqs, penalties)):
+        if not request_penalties.active:
+            continue
+        if outputs[b] is None:
+            raise RuntimeError(f"DSPARK_LIVE: request {req.rid} sets a penalty but its outputs were not tracked")
         width = int(window_lens[b])
-        penalties = penalties_of(req.sampling_params)
-        if penalties.active:
-            if outputs[b] is None:
-                raise RuntimeError(f"DSPARK_LIVE: request {req.rid} sets a penalty but its outputs were not tracked")
-            penalise_window(logits[first:first + width], torch.tensor(outputs[b]), drafts[b, : width - 1], penalties)
-        first += width
+        penalise_window(logits[starts[b]:starts[b] + width], torch.tensor(outputs[b]), drafts[b, : width - 1],
+                        request_penalties)
 
 
 class OutputHistories:

@@ -341,9 +341,10 @@ class DSparkLiveWorker(BaseSpecWorker):
         verified = time.perf_counter()
         window_lens = plan.verify_lens + 1
         _ban_stop_tokens(logits, min_new_tokens_bans(batch.reqs), seq_lens, window_lens)
+        penalties = [penalties_of(req.sampling_params) for req in batch.reqs]
         histories = self.output_histories.refresh(batch.reqs, bonus, seq_lens, [
-            penalties_of(req.sampling_params).active or reads_request(req) for req in batch.reqs])
-        penalise_rows(logits, batch.reqs, histories, drafts, window_lens)
+            request_penalties.active or reads_request(req) for req, request_penalties in zip(batch.reqs, penalties)])
+        penalise_rows(logits, batch.reqs, penalties, histories, drafts, window_lens)
         if batch.has_grammar:
             apply_grammar_masks(logits, batch.reqs, bonus, drafts, window_lens, logits.shape[1])
         _add_logit_bias(logits, batch.sampling_info.logit_bias, window_lens)
