@@ -7,6 +7,7 @@ for several (each start costs ~40-60 s on 2 cores). Everything is torn down at s
 
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 
@@ -55,9 +56,19 @@ SERVER_FLAVOURS = {
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port in 12000-19999: below the kernel's ephemeral range (32768+ by default), which
+    every outgoing connection (our own health polls included) draws from, and below the
+    22000-29999 where SGLang picks its NCCL ports. A port from bind(0) could be handed to such a
+    socket before the server bound it (a server of CI's 4 then failed with "address already in
+    use")."""
+    for port in random.sample(range(12000, 20000), 64):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 12000-19999 for a test server")
 
 
 class ServerPool:

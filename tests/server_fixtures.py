@@ -185,11 +185,15 @@ def start_server(model_path: Path, port: int, log_path: Path, extra_args: list[s
 
 
 def wait_healthy(handle: ServerHandle, timeout_s: float = 420.0) -> ServerHandle:
-    """Poll /health until 200; on exit or timeout stop the server and raise with its log tail."""
+    """Poll /health until 200; on exit, on a port it could not bind (its HTTP server stops but the
+    process lives on) or on timeout, stop the server and raise with its log tail."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if handle.process.poll() is not None:
             raise RuntimeError(f"SGLang server exited with {handle.process.returncode}:\n{handle.log_tail()}")
+        if "address already in use" in handle.log_tail():
+            handle.stop()
+            raise RuntimeError(f"SGLang server could not bind {handle.url}:\n{handle.log_tail()}")
         try:
             if httpx.get(f"{handle.url}/health", timeout=5).status_code == 200:
                 return handle
