@@ -286,9 +286,8 @@ def gemm(
     for the kernel (`sglang_dspark.kernels_cpu.panel_gemm`); random weights of the model's shapes,
     every layer streamed in turn as in serving, the two paths alternating."""
     row_counts = _parse_ints(rows, "--rows")
-    from sglang_dspark.kernels_cpu.build import vector_isa
     from sglang_dspark.kernels_cpu.gemm_bench import time_linears
-    from sglang_dspark.kernels_cpu.panel_gemm import PanelKernelUnavailable
+    from sglang_dspark.kernels_cpu.panel_gemm import PanelKernelUnavailable, panel_kernel_name
     from sglang_dspark.runtime import set_torch_threads
 
     set_torch_threads(threads)
@@ -299,7 +298,7 @@ def gemm(
     except PanelKernelUnavailable as error:
         typer.echo(f"error: the panel kernel cannot run here: {error}", err=True)
         raise typer.Exit(code=1) from None
-    isa = vector_isa()
+    isa = panel_kernel_name(dtype)
     report = {"dtype": dtype, "threads": threads, "repeats": repeats, "kernel_isa": isa,
               "timings": [t.to_json() for t in timings]}
     if as_json:

@@ -199,17 +199,23 @@ def test_the_drafter_takes_the_panels_where_they_are_faster_on_this_cpu():
         "AMX does not multiply float32"
 
 
-@pytest.fixture(params=["avx512", "amx"])
+@pytest.fixture(params=["avx512", "amx", "dpbf16"])
 def panel_layout(request, monkeypatch):
-    """Each bfloat16 panel layout this CPU can run: AVX-512 registers, or the AMX tiles."""
+    """Each bfloat16 panel kernel this CPU can run: widening in AVX-512 (or AVX2) registers, the
+    AMX tiles, or VDPBF16PS (the last two on pairs of inputs per column)."""
     from sglang_dspark.kernels_cpu import panel_gemm
 
     monkeypatch.setenv("DSPARK_CPU_AMX", "auto" if request.param == "amx" else "off")
+    monkeypatch.setenv("DSPARK_CPU_DPBF16", "auto" if request.param == "dpbf16" else "off")
     panel_gemm.amx_panels.cache_clear()
+    panel_gemm.dpbf16_panels.cache_clear()
     if request.param == "amx" and not panel_gemm.amx_panels():
         pytest.skip("no AMX tiles on this CPU")
+    if request.param == "dpbf16" and not panel_gemm.dpbf16_panels():
+        pytest.skip("no AVX512-BF16 on this CPU")
     yield request.param
     panel_gemm.amx_panels.cache_clear()
+    panel_gemm.dpbf16_panels.cache_clear()
 
 
 def test_the_panel_row_range_comes_from_the_knob_with_a_default_per_dtype(monkeypatch):
@@ -234,21 +240,23 @@ def test_the_panel_row_range_comes_from_the_knob_with_a_default_per_dtype(monkey
 def test_panels_multiply_like_the_blas_and_each_row_alone_gives_the_same_bits(dtype, panel_layout):
     """The kernel equals F.linear (up to summation order) for odd sizes and any row count, and a
     row's result does not depend on the rows beside it: a verify window's linears reproduce the
-    one-token decode's bit for bit. On the AMX tiles too (bf16 weights only), 16 rows a pass."""
+    one-token decode's bit for bit. On the AMX tiles (16 rows a pass) and by VDPBF16PS (8) too,
+    bf16 weights only."""
     from sglang_dspark.kernels_cpu.panel_gemm import pack_panels, panel_linear
 
-    if dtype == torch.float32 and panel_layout == "amx":
-        pytest.skip("the tiles multiply bfloat16 only")
+    pairs = panel_layout in ("amx", "dpbf16")
+    if dtype == torch.float32 and pairs:
+        pytest.skip("pair panels multiply bfloat16 only")
     torch.manual_seed(0)
     # 77 outputs: not a multiple of the 32-column panel; inputs: 45, or for the tiles, which step
     # over 32 inputs at a time, 64 (a bf16 weight of 45 inputs keeps the AVX-512 panels there)
-    in_features = 64 if panel_layout == "amx" else 45
+    in_features = 64 if pairs else 45
     weight = torch.randn(77, in_features).to(dtype)
     panels = pack_panels(weight)
-    expected = (3, 32, 32, 2) if panel_layout == "amx" else (3, 45, 32)  # AMX: pairs of inputs per column
+    expected = (3, 32, 32, 2) if pairs else (3, 45, 32)  # pairs of inputs per column
     assert panels.shape == expected and panels.dtype == dtype
     assert pack_panels(torch.randn(77, 45).to(dtype)).shape == (3, 45, 32)
-    # 18 rows: three passes of 8 (AVX-512), two of 16 (AMX), or with AVX2 three of 6 over each half
+    # 18 rows: three passes of 8 (AVX-512, VDPBF16PS), two of 16 (AMX), or with AVX2 three of 6 over each half
     # panel; 9 rows (below) take AVX2's whole-panel passes of 4
     x = torch.randn(2, 9, in_features).to(dtype)
     out = panel_linear(x, panels, 77)
@@ -261,7 +269,7 @@ def test_panels_multiply_like_the_blas_and_each_row_alone_gives_the_same_bits(dt
     assert torch.equal(alone, out)
     with pytest.raises(ValueError, match="do not fit panels"):
         panel_linear(torch.randn(3, in_features - 1).to(dtype), panels, 77)
-    if panel_layout == "amx":
+    if pairs:
         with pytest.raises(ValueError, match="do not fit panels"):
             panel_linear(x.float(), panels, 77)
 

@@ -37,6 +37,17 @@ width is a multiple of 32 are packed as pairs of consecutive inputs per column, 
 and multiplied on the tiles 16 rows at a time, in the same fixed order: still streamed once per
 call, and a verify window of many rows then costs little more than one row.
 
+On a CPU with AVX512-BF16 but no AMX tiles (an AMD EPYC Zen 4, session 43) the same pair layout is
+multiplied by VDPBF16PS in registers, 8 rows a pass (`dpbf16_panels`): one instruction per 16
+columns and two inputs, where the widening panels spend two FMAs and the widening. bfloat16 ms,
+the two kernels one after the other (`docs/results/bench-gemm-cpu-s43-zen4-*.json`):
+
+| rows | 1 | 2 | 8 | 16 | 64 | 128 |
+|---|---|---|---|---|---|---|
+| MKL bfloat16 | 24.1 | 24.3 | 33.3 | 39.6 | 65.7 | 106.2 |
+| VDPBF16PS pair panels | 10.8 | 10.6 | 13.8 | 17.3 | 47.3 | 83.9 |
+| widening AVX-512 panels | 11.2 | 11.2 | 14.6 | 25.3 | 101.6 | 198.3 |
+
 On a CPU without AVX-512F (an AVX2-only AMD EPYC, sessions 20-21) the same code runs each 16-lane
 vector as two AVX2 registers (`simd16.h`), which leaves half the registers: whole panels 4 rows a
 pass up to 12 rows, beyond that 16-column halves 6 rows a pass (session 20 took whole panels 4 rows
@@ -91,6 +102,8 @@ def load_kernel() -> ctypes.CDLL:
     kernel.dspark_panel_gemm_amx.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     kernel.dspark_panel_gemm_amx.restype = ctypes.c_int
+    kernel.dspark_panel_gemm_dpbf16.argtypes = kernel.dspark_panel_gemm_amx.argtypes
+    kernel.dspark_panel_gemm_dpbf16.restype = ctypes.c_int
     if kernel.dspark_panel_width() != PANEL_WIDTH:
         raise PanelKernelUnavailable(f"{kernel._name} has panels of {kernel.dspark_panel_width()}, expected {PANEL_WIDTH}")
     return kernel
@@ -106,10 +119,38 @@ def amx_panels() -> bool:
     return bool(load_kernel().dspark_amx_panels())
 
 
+@functools.cache
+def dpbf16_panels() -> bool:
+    """Whether bfloat16 weights without the AMX tiles take the same pair layout and multiply by
+    VDPBF16PS in AVX-512 registers: the kernel was built with AVX512-BF16 (an AMD EPYC Zen 4, or a
+    Xeon with `DSPARK_CPU_AMX=off`) and `DSPARK_CPU_DPBF16` is not `off`."""
+    if env_choice("DSPARK_CPU_DPBF16", ("auto", "off")) == "off":
+        return False
+    return bool(load_kernel().dspark_dpbf16_panels())
+
+
+def pair_panels() -> bool:
+    """Whether bfloat16 weights whose input width is a multiple of 32 are packed in pairs (the
+    tiles' layout), for the tiles or for VDPBF16PS."""
+    return amx_panels() or dpbf16_panels()
+
+
+def panel_kernel_name(dtype: str) -> str:
+    """Which kernel multiplies panels of this dtype ("bfloat16", "float32") whose input width is a
+    multiple of 32, here (for reports)."""
+    from sglang_dspark.kernels_cpu.build import vector_isa
+
+    if dtype == "bfloat16" and amx_panels():
+        return "amx"
+    if dtype == "bfloat16" and dpbf16_panels():
+        return "avx512-bf16"
+    return str(vector_isa())
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """`[out, in]` float32/bfloat16 weight -> contiguous `[ceil(out/32), in, 32]` panels, same dtype
     (the last panel zero-padded); a bfloat16 weight whose `in` is a multiple of 32 where
-    `amx_panels()`: `[ceil(out/32), in/2, 32, 2]`, pairs of consecutive inputs per column."""
+    `pair_panels()`: `[ceil(out/32), in/2, 32, 2]`, pairs of consecutive inputs per column."""
     if weight.dim() != 2 or weight.dtype not in SUPPORTED_DTYPES or weight.device.type != "cpu":
         raise ValueError(f"pack_panels needs a 2-D float32 or bfloat16 CPU weight, got {tuple(weight.shape)} "
                          f"{weight.dtype} on {weight.device}")
@@ -117,19 +158,19 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     panels = -(-out_features // PANEL_WIDTH)
     padded = torch.zeros(panels * PANEL_WIDTH, in_features, dtype=weight.dtype)
     padded[:out_features] = weight.detach()
-    if weight.dtype == torch.bfloat16 and in_features % AMX_TILE_K == 0 and amx_panels():
+    if weight.dtype == torch.bfloat16 and in_features % AMX_TILE_K == 0 and pair_panels():
         return padded.view(panels, PANEL_WIDTH, in_features // 2, 2).transpose(1, 2).contiguous()
     return padded.view(panels, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """`F.linear(x, weight)` (no bias) through the panels of `weight`, for float32 or bfloat16 x
-    (bfloat16 only for AMX panels, as for their weight); the result has x's dtype. Accumulates in
+    (bfloat16 only for pair panels, as for their weight); the result has x's dtype. Accumulates in
     float32 and rounds once at the end (to nearest even for bfloat16, as torch and the BLAS do)."""
-    amx = panels.dim() == 4
-    in_features = panels.shape[1] * 2 if amx else panels.shape[1]
+    pairs = panels.dim() == 4
+    in_features = panels.shape[1] * 2 if pairs else panels.shape[1]
     if (x.shape[-1] != in_features or out_features > panels.shape[0] * PANEL_WIDTH or x.dtype not in SUPPORTED_DTYPES
-            or (amx and x.dtype != torch.bfloat16)):
+            or (pairs and x.dtype != torch.bfloat16)):
         raise ValueError(f"panel_linear: input {tuple(x.shape)} {x.dtype} or {out_features} outputs do not fit "
                          f"panels {tuple(panels.shape)} {panels.dtype}")
     rows = x if x.dim() == 2 else x.reshape(-1, in_features)  # (reshape costs ~2 us; this runs ~200x a step)
@@ -137,12 +178,15 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> to
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
     kernel = load_kernel()
-    if amx:
-        status = kernel.dspark_panel_gemm_amx(rows.data_ptr(), rows.shape[0], in_features, panels.data_ptr(),
-                                              out_features, out.data_ptr(), torch.get_num_threads())
+    if pairs:
+        tiles = amx_panels()
+        multiply = kernel.dspark_panel_gemm_amx if tiles else kernel.dspark_panel_gemm_dpbf16
+        status = multiply(rows.data_ptr(), rows.shape[0], in_features, panels.data_ptr(), out_features,
+                          out.data_ptr(), torch.get_num_threads())
         if status != 0:
-            raise PanelKernelUnavailable(f"AMX panels, but the kernel refused them (status {status}: -1 no tiles "
-                                         "in this process, -2 an input width that is not a multiple of 32)")
+            raise PanelKernelUnavailable(
+                f"pair panels, but the {'AMX' if tiles else 'VDPBF16PS'} kernel refused them (status {status}: "
+                "-1 not available in this process, -2 an input width that is not a multiple of 32)")
     else:
         kernel.dspark_panel_gemm(rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], in_features,
                                  panels.data_ptr(), panels.dtype == torch.bfloat16, out_features,
