@@ -125,10 +125,11 @@ def test_the_cost_model_for_the_served_dtype_wins_over_the_generic_one(tmp_path,
     assert load_settings(folder, "bfloat16").sps_path == other
 
 
-@pytest.mark.parametrize("flags,tag", [("fpu avx2 avx512f amx_bf16 amx_tile", "amx"), ("avx2 avx512f avx512bw", "avx512"),
+@pytest.mark.parametrize("flags,tag", [("fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile", "amx"),
+                                       ("avx2 avx512f avx512_bf16", "avx512bf16"), ("avx2 avx512f avx512bw", "avx512"),
                                        ("sse4_2 avx2 fma", "avx2"), ("sse4_2", None)])
 def test_a_cpu_server_picks_the_cost_model_measured_on_its_instruction_set(tmp_path, monkeypatch, flags, tag):
-    """Extra verify tokens cost differently on AVX2, AVX-512 and AMX CPUs, so a folder may ship a
+    """Extra verify tokens cost differently on AVX2, AVX-512, AVX512-BF16 and AMX CPUs, so a folder may ship a
     table per instruction set; a CPU server takes its own, else the dtype's table; a CUDA server
     never takes a CPU one."""
     monkeypatch.delenv("DSPARK_SPS_PATH", raising=False)
@@ -137,9 +138,11 @@ def test_a_cpu_server_picks_the_cost_model_measured_on_its_instruction_set(tmp_p
     assert runtime.cpu_profile_tag(cpuinfo) == tag
     monkeypatch.setattr(settings_module, "cpu_profile_tag", lambda: runtime.cpu_profile_tag(cpuinfo))
     folder = _draft_folder(tmp_path)
-    for name in ("sps.json", "sps-bfloat16.json", "sps-bfloat16-avx2.json", "sps-bfloat16-amx.json"):
+    for name in ("sps.json", "sps-bfloat16.json", "sps-bfloat16-avx2.json", "sps-bfloat16-amx.json",
+                 "sps-bfloat16-avx512bf16.json"):
         (folder / name).write_text("{}")
-    expected = {"amx": "sps-bfloat16-amx.json", "avx2": "sps-bfloat16-avx2.json"}.get(tag, "sps-bfloat16.json")
+    expected = {"amx": "sps-bfloat16-amx.json", "avx2": "sps-bfloat16-avx2.json",
+                "avx512bf16": "sps-bfloat16-avx512bf16.json"}.get(tag, "sps-bfloat16.json")
     assert load_settings(folder, "bfloat16", "cpu").sps_path == folder / expected
     assert load_settings(folder, "bfloat16", "cuda").sps_path == folder / "sps-bfloat16.json"
     assert load_settings(folder, "float32", "cpu").sps_path == folder / "sps.json"
