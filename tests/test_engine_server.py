@@ -448,6 +448,9 @@ def test_openai_routes_match_plain_serving(servers):
         assert outputs[0] == outputs[1], route
 
 
+RETRACTION_ATTEMPTS = 3
+
+
 def test_requests_retracted_under_memory_pressure_resume_with_plain_servings_output(servers, server_pool):
     """A KV pool too small for the batch it admitted: SGLang retracts requests mid-decode and
     prefills them again later (prompt and outputs so far); the drafter context and lookups of a
@@ -455,11 +458,19 @@ def test_requests_retracted_under_memory_pressure_resume_with_plain_servings_out
     over, so greedy output stays plain serving's."""
     requests = [(prompt, greedy(160, min_new_tokens=160)) for prompt in PROMPTS]  # no EOS: every request runs long
     want = generate_all(servers["baseline"].url, requests)
-    got = generate_all(server_pool.get("dspark_tight")[0].url, requests)
-    assert sum(g["meta_info"]["num_retractions"] for g in got) >= 1, "no request was retracted"
-    for (prompt, _), g, w in zip(requests, got, want):
-        assert g["output_ids"] == w["output_ids"], prompt
-    assert any(g["meta_info"]["spec_verify_ct"] < g["meta_info"]["completion_tokens"] for g in got)
+    tight = server_pool.get("dspark_tight")[0].url
+    retractions = 0
+    # whether SGLang admits enough requests together to run out of KV depends on when they
+    # arrive (a clean-clone CI run once saw none retracted): send the batch again until one is
+    for _ in range(RETRACTION_ATTEMPTS):
+        got = generate_all(tight, requests)
+        for (prompt, _), g, w in zip(requests, got, want):
+            assert g["output_ids"] == w["output_ids"], prompt
+        assert any(g["meta_info"]["spec_verify_ct"] < g["meta_info"]["completion_tokens"] for g in got)
+        retractions = sum(g["meta_info"]["num_retractions"] for g in got)
+        if retractions:
+            break
+    assert retractions >= 1, f"no request was retracted in {RETRACTION_ATTEMPTS} batches"
 
 
 def _running_requests(url: str) -> int:
