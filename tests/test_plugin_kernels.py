@@ -248,8 +248,8 @@ def test_panels_multiply_like_the_blas_and_each_row_alone_gives_the_same_bits(dt
     if dtype == torch.float32 and pairs:
         pytest.skip("pair panels multiply bfloat16 only")
     torch.manual_seed(0)
-    # 77 outputs: not a multiple of the 32-column panel; inputs: 45, or for the tiles, which step
-    # over 32 inputs at a time, 64 (a bf16 weight of 45 inputs keeps the AVX-512 panels there)
+    # 77 outputs: not a multiple of the 32-column panel; inputs: 45, or for pair panels, which the
+    # tiles step over 32 inputs at a time, 64 (a bf16 weight of 45 inputs keeps the widening panels)
     in_features = 64 if pairs else 45
     weight = torch.randn(77, in_features).to(dtype)
     panels = pack_panels(weight)

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd16.h"
@@ -55,13 +56,14 @@ inline void panel_pass(const float* x, int64_t K, const W* panel, int col0, Y* y
   }
 }
 
-// One pass of `rows` (1..R) rows: the pass compiled for exactly that many, none for more than R.
-template <int V, int R, typename W, typename Y>
-inline void rows_pass(int rows, const float* x, int64_t K, const W* panel, int col0, Y* y, int64_t N, int cols) {
+// Call `pass` with std::integral_constant<int, rows> for `rows` in 1..R: each row count gets the pass
+// compiled for exactly that many, none for more than R.
+template <int R, typename Pass>
+inline void with_rows(int rows, Pass&& pass) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_pass<V, R - 1>(rows, x, K, panel, col0, y, N, cols);
+    if (rows < R) return with_rows<R - 1>(rows, pass);
   }
-  panel_pass<R, V>(x, K, panel, col0, y, N, cols);
+  pass(std::integral_constant<int, R>{});
 }
 
 // R rows at a time over 16 * V columns of each panel; a panel is read from memory by its first
@@ -80,7 +82,9 @@ void gemm_passes(const float* x, int64_t M, int64_t K, const W* panels, int64_t 
     for (int col0 = 0; col0 < cols; col0 += 16 * V)
       for (int64_t m0 = 0; m0 < M; m0 += R) {
         const int rows = static_cast<int>(M - m0 < R ? M - m0 : R);
-        rows_pass<V, R>(rows, x + m0 * K, K, panel, col0, y + m0 * N + p * kPanel, N, cols - col0);
+        with_rows<R>(rows, [&](auto m) {
+          panel_pass<decltype(m)::value, V>(x + m0 * K, K, panel, col0, y + m0 * N + p * kPanel, N, cols - col0);
+        });
       }
   }
 }
@@ -198,15 +202,6 @@ inline void pair_pass(const uint16_t* x, int64_t K, const uint16_t* panel, uint1
   }
 }
 
-template <int R>
-inline void pair_rows_pass(int rows, const uint16_t* x, int64_t K, const uint16_t* panel, uint16_t* y, int64_t N,
-                           int cols) {
-  if constexpr (R > 1) {
-    if (rows < R) return pair_rows_pass<R - 1>(rows, x, K, panel, y, N, cols);
-  }
-  pair_pass<R>(x, K, panel, y, N, cols);
-}
-
 // x: M x K bfloat16, K even; panels [P][K/2][32][2]; y: M x N bfloat16. Panels handed out as in
 // `gemm_passes`.
 void dpbf16_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panels, int64_t N, uint16_t* y,
@@ -218,7 +213,9 @@ void dpbf16_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panels
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
     for (int64_t m0 = 0; m0 < M; m0 += kPairRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kPairRows, M - m0));
-      pair_rows_pass<kPairRows>(rows, x + m0 * K, K, panel, y + m0 * N + p * kPanel, N, cols);
+      with_rows<kPairRows>(rows, [&](auto m) {
+        pair_pass<decltype(m)::value>(x + m0 * K, K, panel, y + m0 * N + p * kPanel, N, cols);
+      });
     }
   }
 }

@@ -78,7 +78,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_dspark.kernels_cpu.build import KernelUnavailable, env_choice, load_library
+from sglang_dspark.kernels_cpu.build import KernelUnavailable, env_choice, load_library, vector_isa
 
 SOURCE = Path(__file__).with_name("panel_gemm.cpp")
 PANEL_WIDTH = 32
@@ -138,8 +138,6 @@ def pair_panels() -> bool:
 def panel_kernel_name(dtype: str) -> str:
     """Which kernel multiplies panels of this dtype ("bfloat16", "float32") whose input width is a
     multiple of 32, here (for reports)."""
-    from sglang_dspark.kernels_cpu.build import vector_isa
-
     if dtype == "bfloat16" and amx_panels():
         return "amx"
     if dtype == "bfloat16" and dpbf16_panels():
