@@ -9,14 +9,12 @@
 // the number of rows, heads or threads: a verify row gets the bits of the one-token decode that
 // would have seen the same keys. A window's rows are attended together, so each key row is read
 // once for the window, not once per row. Scores, softmax and the weighted sum are float32; the output is
-// rounded once (bfloat16: to nearest even, as torch does). Scores are float32 dot products (on a CPU
-// with AVX512-BF16, bfloat16 pairs by VDPBF16PS, scaled after), and e^x is a fixed polynomial
-// (`simd16.h`), so results differ from torch's SDPA in the last bits.
+// rounded once (bfloat16: to nearest even, as torch does). The query is scaled before the dot
+// products, and e^x is a fixed polynomial (`simd16.h`), so results differ from torch's SDPA in the last bits.
 #include <stdint.h>
 
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -39,74 +37,6 @@ inline float softmax_weights(float* scores, int64_t count) {
   return vreduce_add(total);
 }
 
-#if defined(__AVX512BF16__)
-constexpr bool kDotBf16 = true;  // bfloat16 scores by VDPBF16PS (`BlockKeys`)
-
-// Rows of a 16 x 16 matrix of 32-bit elements become its columns (64 shuffles).
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  // u[4g + c], 128-bit lane L: element 4L + c of rows 4g .. 4g + 3
-  __m512i u[16];
-  for (int g = 0; g < 16; g += 4) {
-    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
-    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
-    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // 4 x 4 transpose of 128-bit lanes
-    const __m512i low01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
-    const __m512i high01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i low23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512i high23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_i32x4(low01, low23, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(low01, low23, 0xDD);
-    r[8 + c] = _mm512_shuffle_i32x4(high01, high23, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(high01, high23, 0xDD);
-  }
-}
-
-// A block of 16 bfloat16 key rows laid out for VDPBF16PS: pairs[p] holds element pair p (elements
-// 2p, 2p + 1) of each of the 16 keys, one key per 32-bit lane (keys past the block are zero).
-// One transposition serves every (query row, head) of a window, so a verify window of 8 rows and
-// 3 heads scores 16 keys with 24 x 32 dot-product instructions where the float32 path spent
-// 24 x (64 FMAs + a 16-way reduction).
-template <int chunks>
-struct BlockKeys {
-  static constexpr int kPairs = 8 * chunks;  // head_dim / 2
-  __m512i pairs[kPairs < 16 ? 16 : kPairs];
-
-  void load(const uint16_t* k, const int32_t* slots, int64_t kv_stride_s, int in_block) {
-    for (int half = 0; half < (kPairs + 15) / 16; ++half) {
-      const __mmask16 wanted = kPairs - 16 * half >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (kPairs - 16 * half)) - 1);
-      __m512i* rows = pairs + 16 * half;
-      for (int i = 0; i < 16; ++i)
-        rows[i] = i < in_block ? _mm512_maskz_loadu_epi32(wanted, k + static_cast<int64_t>(slots[i]) * kv_stride_s + 32 * half)
-                               : _mm512_setzero_si512();
-      transpose16(rows);
-    }
-  }
-
-  // The 16 keys' scores against one query row's head: the pair products summed in two chains
-  // (even and odd pairs), in the same order whatever else the call scores.
-  vec16 scores(const uint16_t* query, float scale) const {
-    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-    for (int p = 0; p < kPairs; p += 2) {
-      int32_t pair[2];
-      std::memcpy(pair, query + 2 * p, sizeof(pair));
-      even = _mm512_dpbf16_ps(even, (__m512bh)pairs[p], (__m512bh)_mm512_set1_epi32(pair[0]));
-      odd = _mm512_dpbf16_ps(odd, (__m512bh)pairs[p + 1], (__m512bh)_mm512_set1_epi32(pair[1]));
-    }
-    return vmul(vadd(even, odd), vset1(scale));
-  }
-};
-#else
-constexpr bool kDotBf16 = false;
-#endif
-
 #if defined(__AVX512F__)
 constexpr int kVectorRegisters = 32, kRegistersPerVec = 1;  // a vec16 is one zmm register
 #else
@@ -127,52 +57,36 @@ void attend_rows(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k,
                  const int32_t* slots, const int64_t* counts, int rows, T* out, int64_t out_stride_t,
                  int64_t out_stride_h, float scale, std::vector<float>& scores) {
   const int n = max_rows == 1 ? 1 : rows;
+  vec16 query[max_rows][group][chunks];
   int64_t longest = 0;
-  for (int r = 0; r < n; ++r) longest = counts[r] > longest ? counts[r] : longest;
+  for (int r = 0; r < n; ++r) {
+    longest = counts[r] > longest ? counts[r] : longest;
+    for (int h = 0; h < group; ++h)
+      for (int c = 0; c < chunks; ++c)
+        query[r][h][c] = vmul(vload(q + r * q_stride_t + h * q_stride_h + c * kLanes), vset1(scale));
+  }
   scores.resize(static_cast<size_t>(n * group * longest));
   float* const score_rows = scores.data();  // (row r, head h) at (r * group + h) * longest
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    BlockKeys<chunks> keys;
-    for (int64_t block = 0; block < longest; block += kLanes) {
-      keys.load(k, slots + block, kv_stride_s, longest - block < kLanes ? static_cast<int>(longest - block) : kLanes);
-      for (int r = 0; r < n; ++r) {
-        if (block >= counts[r]) continue;
-        const lanemask seen = first_lanes(counts[r] - block);
-        for (int h = 0; h < group; ++h)
-          vstore_masked(score_rows + (r * group + h) * longest + block, seen,
-                        keys.scores(q + r * q_stride_t + h * q_stride_h, scale));
-      }
-    }
-  }
-#endif
-  if constexpr (!(kDotBf16 && std::is_same_v<T, uint16_t>)) {
-    vec16 query[max_rows][group][chunks];
-    for (int r = 0; r < n; ++r)
-      for (int h = 0; h < group; ++h)
-        for (int c = 0; c < chunks; ++c)
-          query[r][h][c] = vmul(vload(q + r * q_stride_t + h * q_stride_h + c * kLanes), vset1(scale));
-    // Scores 16 keys at a time: each key's dot products stay in a vector until `vsum16` reduces the
-    // block's 16 at once. A key's score depends only on its own products and its place in its block
-    // of 16, which is the same for every row that sees it.
-    vec16 keys[kLanes][chunks];
-    for (int64_t block = 0; block < longest; block += kLanes) {
-      const int in_block = longest - block < kLanes ? static_cast<int>(longest - block) : kLanes;
-      for (int i = 0; i < kLanes; ++i)
-        for (int c = 0; c < chunks; ++c)
-          keys[i][c] = i < in_block ? vload(k + static_cast<int64_t>(slots[block + i]) * kv_stride_s + c * kLanes)
-                                    : vzero();
-      for (int r = 0; r < n; ++r) {
-        if (block >= counts[r]) continue;
-        const lanemask seen = first_lanes(counts[r] - block);
-        for (int h = 0; h < group; ++h) {
-          vec16 products[kLanes];
-          for (int i = 0; i < kLanes; ++i) {
-            products[i] = vmul(query[r][h][0], keys[i][0]);
-            for (int c = 1; c < chunks; ++c) products[i] = vfmadd(query[r][h][c], keys[i][c], products[i]);
-          }
-          vstore_masked(score_rows + (r * group + h) * longest + block, seen, vsum16(products));
+  // Scores 16 keys at a time: each key's dot products stay in a vector until `vsum16` reduces the
+  // block's 16 at once. A key's score depends only on its own products and its place in its block
+  // of 16, which is the same for every row that sees it.
+  vec16 keys[kLanes][chunks];
+  for (int64_t block = 0; block < longest; block += kLanes) {
+    const int in_block = longest - block < kLanes ? static_cast<int>(longest - block) : kLanes;
+    for (int i = 0; i < kLanes; ++i)
+      for (int c = 0; c < chunks; ++c)
+        keys[i][c] = i < in_block ? vload(k + static_cast<int64_t>(slots[block + i]) * kv_stride_s + c * kLanes)
+                                  : vzero();
+    for (int r = 0; r < n; ++r) {
+      if (block >= counts[r]) continue;
+      const lanemask seen = first_lanes(counts[r] - block);
+      for (int h = 0; h < group; ++h) {
+        vec16 products[kLanes];
+        for (int i = 0; i < kLanes; ++i) {
+          products[i] = vmul(query[r][h][0], keys[i][0]);
+          for (int c = 1; c < chunks; ++c) products[i] = vfmadd(query[r][h][c], keys[i][c], products[i]);
         }
+        vstore_masked(score_rows + (r * group + h) * longest + block, seen, vsum16(products));
       }
     }
   }
