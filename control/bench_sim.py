@@ -1,5 +1,6 @@
-"""`dspark-ctl bench sim | planner | sps-cpu | gemm`: the serving simulator, the planner's speed,
-the CPU cost-model measurement, and the CPU linears (BLAS against weight panels).
+"""`dspark-ctl bench sim | planner | sps-cpu | gemm | attention`: the serving simulator, the planner's speed,
+the CPU cost-model measurement, the CPU linears (BLAS against weight panels) and attention (SDPA
+against the paged kernel).
 
 The torch work lives in `sglang_dspark.scheduling`, imported inside each command body, so
 `import dspark_ctl` stays light and control/ never imports torch itself.
@@ -271,6 +272,7 @@ def register(bench_app: typer.Typer) -> None:
     bench_app.command("planner")(planner)
     bench_app.command("sps-cpu")(sps_cpu)
     bench_app.command("gemm")(gemm)
+    bench_app.command("attention")(attention)
 
 
 def gemm(
@@ -312,4 +314,46 @@ def gemm(
         table.add_column(column, justify="right")
     for t in timings:
         table.add_row(str(t.rows), f"{t.blas_ms:.1f}", f"{t.panels_ms:.1f}", f"{t.speedup:.2f}x")
+    Console().print(table)
+
+
+def attention(
+    dtype: str = typer.Option("bfloat16", help="float32 or bfloat16 queries and KV cache."),
+    contexts: str = typer.Option("200,2000", help="Comma-separated keys before the window."),
+    windows: str = typer.Option("1,2,8", help="Comma-separated query rows (1: a decode step; w: a verify of w - 1 drafts)."),
+    repeats: int = typer.Option(7, min=1, help="Forwards per cell and path (the median is reported)."),
+    threads: int = typer.Option(2, min=1, help="torch intra-op threads (the kernel uses the same)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Time SmolLM2-135M's attention per forward (30 layers): the paged kernel against SDPA.
+
+    One request's window over its context, each layer with its own KV cache
+    (`sglang_dspark.kernels_cpu.attention_bench`); what a verify window costs against a decode
+    step, and how it grows with context, on this CPU."""
+    context_list, window_list = _parse_ints(contexts, "--contexts"), _parse_ints(windows, "--windows")
+    from sglang_dspark.kernels_cpu.attention_bench import time_attention
+    from sglang_dspark.kernels_cpu.build import KernelUnavailable, vector_isa
+    from sglang_dspark.runtime import set_torch_threads
+
+    set_torch_threads(threads)
+    try:
+        timings = time_attention(context_list, window_list, dtype, repeats=repeats)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    except KernelUnavailable as error:
+        typer.echo(f"error: the attention kernel cannot run here: {error}", err=True)
+        raise typer.Exit(code=1) from None
+    report = {"dtype": dtype, "threads": threads, "repeats": repeats, "kernel_isa": vector_isa(),
+              "timings": [t.to_json() for t in timings]}
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"SmolLM2-135M attention per forward, {dtype}, {threads} threads, {vector_isa()} kernel (ms)")
+    for column in ("context", "window", "SDPA", "kernel", "SDPA / kernel"):
+        table.add_column(column, justify="right")
+    for t in timings:
+        table.add_row(str(t.context), str(t.window), f"{t.sdpa_ms:.2f}", f"{t.kernel_ms:.2f}", f"{t.speedup:.2f}x")
     Console().print(table)

@@ -162,3 +162,25 @@ def test_a_machine_that_cannot_build_the_kernel_keeps_sglangs_decode_and_says_wh
     finally:
         cpu_attention.kernel_enabled.cache_clear()
     assert "no paged attention kernel" in caplog.text and "neither AVX-512F nor AVX2" in caplog.text
+
+
+def test_the_attention_benchmark_times_both_paths_for_every_context_and_window():
+    from sglang_dspark.kernels_cpu.attention_bench import time_attention
+
+    timings = time_attention([5, 40], [1, 3], "bfloat16", layers=2, heads=4, kv_heads=2, head_dim=16, repeats=2)
+    assert [(t.context, t.window) for t in timings] == [(5, 1), (5, 3), (40, 1), (40, 3)]
+    assert all(t.sdpa_ms > 0 and t.kernel_ms > 0 for t in timings)
+    assert timings[0].to_json()["speedup"] == round(timings[0].sdpa_ms / timings[0].kernel_ms, 3)
+
+
+def test_dspark_ctl_bench_attention_refuses_an_unknown_dtype_or_window():
+    from typer.testing import CliRunner
+
+    from dspark_ctl.cli import app
+
+    for arguments, message in ((["--dtype", "float16"], "dtype must be float32 or bfloat16"),
+                               (["--windows", "0"], "must list integers >= 1"),
+                               (["--contexts", "2k"], "must be comma-separated integers")):
+        result = CliRunner().invoke(app, ["bench", "attention", *arguments])
+        assert result.exit_code == 2, result.output
+        assert message in result.output

@@ -65,12 +65,12 @@ def time_linears(rows: list[int], dtype_name: str, layer_shapes=SMOLLM2_LAYER_SH
             for (k, n), packed in zip(shapes, panels):
                 panel_linear(inputs[k], packed, n)
 
-        blas_ms, panels_ms = _median_ms(blas_forward, panel_forward, repeats)
+        blas_ms, panels_ms = alternating_median_ms(blas_forward, panel_forward, repeats)
         timings.append(GemmTiming(rows=count, blas_ms=blas_ms, panels_ms=panels_ms))
     return timings
 
 
-def _median_ms(first, second, repeats: int) -> tuple[float, float]:
+def alternating_median_ms(first, second, repeats: int) -> tuple[float, float]:
     """Both callables timed in alternation (this VM's speed drifts), after one warm-up each."""
     first(), second()
     samples: tuple[list[float], list[float]] = ([], [])
