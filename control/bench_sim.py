@@ -301,19 +301,27 @@ def gemm(
         typer.echo(f"error: the panel kernel cannot run here: {error}", err=True)
         raise typer.Exit(code=1) from None
     isa = panel_kernel_name(dtype)
-    report = {"dtype": dtype, "threads": threads, "repeats": repeats, "kernel_isa": isa,
-              "timings": [t.to_json() for t in timings]}
+    _print_kernel_timings(
+        {"dtype": dtype, "threads": threads, "repeats": repeats, "kernel_isa": isa}, timings, as_json,
+        f"SmolLM2-135M linears + lm_head per forward, {dtype}, {threads} threads, {isa} panels (ms)",
+        {"rows": lambda t: str(t.rows), "BLAS": lambda t: f"{t.blas_ms:.1f}", "panels": lambda t: f"{t.panels_ms:.1f}",
+         "BLAS / panels": lambda t: f"{t.speedup:.2f}x"})
+
+
+def _print_kernel_timings(settings: dict, timings: list, as_json: bool, title: str, columns: dict) -> None:
+    """A kernel benchmark's report: JSON (`settings` and each timing's `to_json`), or a table of
+    `columns` (header -> the cell text of one timing)."""
     if as_json:
-        typer.echo(json.dumps(report, indent=2))
+        typer.echo(json.dumps(settings | {"timings": [t.to_json() for t in timings]}, indent=2))
         return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"SmolLM2-135M linears + lm_head per forward, {dtype}, {threads} threads, {isa} panels (ms)")
-    for column in ("rows", "BLAS", "panels", "BLAS / panels"):
+    table = Table(title=title)
+    for column in columns:
         table.add_column(column, justify="right")
     for t in timings:
-        table.add_row(str(t.rows), f"{t.blas_ms:.1f}", f"{t.panels_ms:.1f}", f"{t.speedup:.2f}x")
+        table.add_row(*(cell(t) for cell in columns.values()))
     Console().print(table)
 
 
@@ -343,17 +351,9 @@ def attention(
     except KernelUnavailable as error:
         typer.echo(f"error: the attention kernel cannot run here: {error}", err=True)
         raise typer.Exit(code=1) from None
-    report = {"dtype": dtype, "threads": threads, "repeats": repeats, "kernel_isa": vector_isa(),
-              "timings": [t.to_json() for t in timings]}
-    if as_json:
-        typer.echo(json.dumps(report, indent=2))
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"SmolLM2-135M attention per forward, {dtype}, {threads} threads, {vector_isa()} kernel (ms)")
-    for column in ("context", "window", "SDPA", "kernel", "SDPA / kernel"):
-        table.add_column(column, justify="right")
-    for t in timings:
-        table.add_row(str(t.context), str(t.window), f"{t.sdpa_ms:.2f}", f"{t.kernel_ms:.2f}", f"{t.speedup:.2f}x")
-    Console().print(table)
+    isa = vector_isa()
+    _print_kernel_timings(
+        {"dtype": dtype, "threads": threads, "repeats": repeats, "kernel_isa": isa}, timings, as_json,
+        f"SmolLM2-135M attention per forward, {dtype}, {threads} threads, {isa} kernel (ms)",
+        {"context": lambda t: str(t.context), "window": lambda t: str(t.window), "SDPA": lambda t: f"{t.sdpa_ms:.2f}",
+         "kernel": lambda t: f"{t.kernel_ms:.2f}", "SDPA / kernel": lambda t: f"{t.speedup:.2f}x"})
