@@ -99,7 +99,8 @@ void attend_rows(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k,
                             ? (kVectorRegisters - 1) / (chunks * kRegistersPerVec) - 1 : 1;
   for (int first = 0; first < n * group; first += kTile) {
     const int tile = n * group - first < kTile ? n * group - first : kTile;
-    const int64_t keys_seen = counts[(first + tile - 1) / group];  // rows see more keys as they go
+    int64_t keys_seen = 0;  // the most keys a row of the tile sees
+    for (int t = 0; t < tile; ++t) keys_seen = counts[(first + t) / group] > keys_seen ? counts[(first + t) / group] : keys_seen;
     vec16 acc[kTile][chunks];
     for (int t = 0; t < kTile; ++t)
       for (int c = 0; c < chunks; ++c) acc[t][c] = vzero();
