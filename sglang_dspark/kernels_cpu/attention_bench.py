@@ -18,9 +18,6 @@ import torch.nn.functional as F
 from sglang_dspark.kernels_cpu.gemm_bench import alternating_median_ms
 from sglang_dspark.kernels_cpu.paged_attention import KeyLayout, paged_attention
 
-SMOLLM2_ATTENTION = {"layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64}
-
-
 @dataclass(frozen=True)
 class AttentionTiming:
     context: int  # keys before the window

@@ -13,6 +13,7 @@
 // products, and e^x is a fixed polynomial (`simd16.h`), so results differ from torch's SDPA in the last bits.
 #include <stdint.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -95,12 +96,11 @@ void attend_rows(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k,
   // The weighted sum of values, a tile of (row, head) pairs at a time whose accumulators fit in
   // registers (all of a window's 8 x 3 x 4 spilled to the stack on every multiply-add); each value
   // row is read once per tile. Each pair still sums its keys in order, one multiply-add each.
-  constexpr int kTile = (kVectorRegisters - 1) / (chunks * kRegistersPerVec) > 2
-                            ? (kVectorRegisters - 1) / (chunks * kRegistersPerVec) - 1 : 1;
+  constexpr int kTile = std::max(1, (kVectorRegisters - 1) / (chunks * kRegistersPerVec) - 1);  // + value chunks
   for (int first = 0; first < n * group; first += kTile) {
     const int tile = n * group - first < kTile ? n * group - first : kTile;
     int64_t keys_seen = 0;  // the most keys a row of the tile sees
-    for (int t = 0; t < tile; ++t) keys_seen = counts[(first + t) / group] > keys_seen ? counts[(first + t) / group] : keys_seen;
+    for (int t = 0; t < tile; ++t) keys_seen = std::max(keys_seen, counts[(first + t) / group]);
     vec16 acc[kTile][chunks];
     for (int t = 0; t < kTile; ++t)
       for (int c = 0; c < chunks; ++c) acc[t][c] = vzero();
