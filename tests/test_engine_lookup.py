@@ -272,7 +272,7 @@ def test_a_step_that_skips_the_drafter_still_verifies_its_lookup_rows_and_teache
     before = planner.lookup_survival["greedy"].survivals()
     planner.observe(plan, rids, target_seconds=0.05, step_seconds=0.05, committed_tokens=5, drafted=False)
     planner.observe_rounds(plan, torch.tensor([0, 0, 0]), greedy=greedy)
-    assert recorded == [], "a lookup-only step is neither a drafted nor a skipped step to the draft-or-skip check"
+    assert recorded == [(rids, True, 5, 0.05)], "a lookup-only step speculated: the check weighs it against plain steps"
     assert planner.lookup_survival["greedy"].survivals()[0] < before[0]
     assert planner._pending_rounds == [], "no drafter round waits for the calibration"
 

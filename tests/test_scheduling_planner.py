@@ -428,7 +428,7 @@ def test_a_veto_measured_on_requests_that_have_all_left_is_forgotten():
     assert _replay(planner, 5, ids=[i + 1000 for i in large], **losing) == [0] * 5
 
 
-def test_steps_right_after_a_request_joins_or_leaves_do_not_decide_whether_drafting_loses():
+def test_steps_right_after_a_request_joins_or_leaves_do_not_decide_whether_speculation_loses():
     """A step whose batch changed pays for the change whatever its kind; if those steps happen
     to be skipped ones, counting them made skipping look as slow as drafting at concurrency 16."""
     planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7)
@@ -441,9 +441,9 @@ def test_steps_right_after_a_request_joins_or_leaves_do_not_decide_whether_draft
             planner.record_step(batch, True, 20.0, 0.1)  # drafted: 200 tokens/s
         else:
             planner.record_step(batch, False, 16.0, 0.065)  # skipped: 246 tokens/s
-    skip_rate, skip_samples = planner.rates.rate(16, drafted=False)
+    skip_rate, skip_samples = planner.rates.rate(16, speculated=False)
     assert skip_rate == pytest.approx(16.0 / 0.065) and skip_samples == 30 - 8  # less the warm-up
-    assert planner.rates.drafting_loses(16)
+    assert planner.rates.speculation_loses(16)
 
 
 def test_where_the_model_drafts_from_the_start_a_losing_draft_is_found_within_a_few_dozen_steps():
@@ -471,16 +471,59 @@ def test_step_rates_pool_similar_batch_sizes_and_ignore_warmup_and_stalls():
     rates = StepRates(decay=0.1, min_samples=4, spread=8, warmup=2)
     for _ in range(2):
         rates.add(16, True, 20.0, 5.0)  # a server's first steps: not counted
-    assert rates.rate(16, drafted=True) == (None, 0)
+    assert rates.rate(16, speculated=True) == (None, 0)
     for size in (15, 16, 17):
         for _ in range(4):
             rates.add(size, True, 18.0, 0.1)
             rates.add(size, False, 16.0, 0.08)
     rates.add(16, True, 18.0, 10.0)  # one stall counts at most 2x
-    draft_rate, samples = rates.rate(16, drafted=True)
+    draft_rate, samples = rates.rate(16, speculated=True)
     assert samples == 13 and 150.0 < draft_rate < 180.0
-    assert rates.rate(16, drafted=False) == (pytest.approx(200.0), 10)  # warm-up counts per kind
-    assert rates.drafting_loses(16) is True and rates.drafting_loses(18) is True  # 18 +- 2 reaches 16 and 17
-    assert not rates.drafting_loses(4), "nothing measured near batch 4"
+    assert rates.rate(16, speculated=False) == (pytest.approx(200.0), 10)  # warm-up counts per kind
+    assert rates.speculation_loses(16) is True and rates.speculation_loses(18) is True  # 18 +- 2 reaches 16 and 17
+    assert not rates.speculation_loses(4), "nothing measured near batch 4"
     with pytest.raises(ValueError, match="decay"):
         StepRates(decay=0.0)
+
+
+def _replay_lookups(planner: EarlyStopPlanner, steps: int, speculated_step: tuple[float, float],
+                    plain_step: tuple[float, float]) -> list[bool]:
+    """A batch of 16 whose drafter never pays (the model skips it) but whose requests always have
+    lookup drafts: a step speculates (verifies lookups) unless the planner asks for a plain step.
+    Returns, per step, whether it ran plain."""
+    ids = list(range(16))
+    survivals = torch.full((16, 7), 0.9).cumprod(dim=1)
+    plain = []
+    for _ in range(steps):
+        width = planner.decide(ids, draft_seconds=10.0).draft_width
+        if width:
+            planner.publish(ids, survivals, width)
+        ran_plain = planner.plain_step and not width
+        tokens, seconds = plain_step if ran_plain else speculated_step
+        planner.record_step(ids, not ran_plain, tokens, seconds)
+        plain.append(ran_plain)
+    return plain
+
+
+def test_where_lookup_drafts_measurably_lose_the_planner_runs_plain_steps():
+    """At concurrency 16 steps that skipped the drafter but verified lookup drafts delivered
+    386-396 tokens/s against plain steps' 403-417: speculation of any source is checked against
+    plain steps, which the planner samples even where its model never drafts."""
+    from sglang_dspark.scheduling.planner import MAX_PROBE_BACKOFF
+
+    planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=16)
+    plain = _replay_lookups(planner, 400, speculated_step=(20.0, 0.06), plain_step=(16.0, 0.04))
+    assert planner.vetoed and planner.plain_step
+    late = plain[-200:]
+    assert late.count(False) <= 200 // (16 * MAX_PROBE_BACKOFF) + 1, "only backed-off probes speculate"
+    assert plain[:60].count(True) >= 12, "plain steps are sampled until their rate is known"
+
+
+def test_where_lookup_drafts_measurably_win_only_a_rare_step_runs_plain():
+    from sglang_dspark.scheduling.planner import MAX_PROBE_BACKOFF
+
+    planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=16)
+    plain = _replay_lookups(planner, 800, speculated_step=(24.0, 0.045), plain_step=(16.0, 0.04))
+    late = plain[-400:]
+    assert 1 <= late.count(True) <= 400 // (16 * MAX_PROBE_BACKOFF) + 1, late
+    assert not planner.vetoed

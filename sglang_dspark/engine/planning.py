@@ -16,8 +16,9 @@
   skip the drafter and run as plain decoding, with a probe draft every `EXPLORE_EVERY` steps so
   the planner sees when drafts become worth it again. The table's seconds are rescaled to the
   measured steps (`observe`), so that both sides of the trade are in today's seconds, and where
-  drafted steps measurably delivered fewer tokens/s than skipped ones around this batch size,
-  the step skips whatever the model says (`scheduling.StepRates`).
+  steps that speculated (drafted, or verified lookup drafts) measurably delivered fewer tokens/s
+  than plain one-token steps around this batch size, the step runs plain whatever the model says
+  (`scheduling.StepRates`).
 
 Survivals a_k = prod_{i<=k} sigmoid(c_i / T_i) use the STS temperatures from `DSPARK_STS_PATH` or
 `<draft>/sts.json` (identity without one); greedy requests use `DSPARK_STS_GREEDY_PATH` or
@@ -162,12 +163,13 @@ class DraftCosts:
 
 @dataclass(frozen=True)
 class StepDecision:
-    """Made before drafting: how many block slots to draft (0: skip the drafter) and the
-    capacity K (None: not budgeted)."""
+    """Made before drafting: how many block slots to draft (0: skip the drafter), the
+    capacity K (None: not budgeted) and whether lookup drafts may be verified."""
 
     draft_width: int
     capacity: int | None
-    vetoed: bool = False  # skipped because drafted steps measurably lost (`StepRates`)
+    vetoed: bool = False  # runs plain because speculated steps measurably lost (`StepRates`)
+    lookups: bool = True  # False: a plain step (a veto, or a sample of plain steps' rate)
 
     @property
     def draft(self) -> bool:
@@ -269,7 +271,7 @@ class VerifyPlanner:
             request_ids, context_tokens=float(context_lens.sum()),
             draft_seconds=self.draft_costs.per_width(len(request_ids), self.gamma))
         return StepDecision(draft_width=decision.draft_width, capacity=decision.capacity,
-                            vetoed=self.capacity_planner.vetoed)
+                            vetoed=self.capacity_planner.vetoed, lookups=not self.capacity_planner.plain_step)
 
     def plan(self, request_ids: list, confidence_logits: torch.Tensor | None, context_lens: torch.Tensor,
              decision: StepDecision | None = None, greedy: torch.Tensor | None = None,
@@ -366,13 +368,13 @@ class VerifyPlanner:
                 committed_tokens: int, drafted: bool) -> None:
         """A finished step: its seconds after drafting (verify forward, acceptance, bookkeeping:
         what the table was fitted on), to which the production planner rescales its table, and
-        the whole step's seconds and committed tokens, which it checks drafting against (unless
-        `request_ids`, the step's batch, changed since the previous step)."""
+        the whole step's seconds and committed tokens, which it checks speculating against
+        (unless `request_ids`, the step's batch, changed since the previous step). A step
+        speculated when it drafted or had lookup drafts to plan, verified or not: it paid for them."""
         if self.capacity_planner is not None:
             self.capacity_planner.observe(plan.step_shape, target_seconds)
-            lookup_only = not drafted and plan.lookup_lens is not None and bool((plan.lookup_lens > 0).any())
-            if not lookup_only:  # neither a drafted step nor a plain one: the draft-or-skip check skips it
-                self.capacity_planner.record_step(request_ids, drafted, committed_tokens, step_seconds)
+            looked_up = plan.lookup_lens is not None and bool((plan.lookup_lens > 0).any())
+            self.capacity_planner.record_step(request_ids, drafted or looked_up, committed_tokens, step_seconds)
 
     def observe_rounds(self, plan: Plan, num_accepted: torch.Tensor, greedy: torch.Tensor) -> None:
         """A drafted step's verify outcomes (accepted drafts [B], greedy [B]) for the served

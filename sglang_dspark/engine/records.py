@@ -46,7 +46,7 @@ class StepRecord:
     verify_seconds: float
     overlap: bool
     drafted: bool = True  # False: the planner skipped the drafter (drafts not worth their cost)
-    vetoed: bool = False  # skipped although the cost model valued drafting: drafted steps measurably lost
+    vetoed: bool = False  # ran plain (no drafter, no lookup drafts): speculated steps measurably lost
     catch_up_rows: int = 0  # committed taps first projected into the drafter context this step
     catch_up_seconds: float = 0.0  # their share of draft_seconds
     decide_seconds: float = 0.0  # the planner's draft-or-skip decision: its share of draft_seconds

@@ -297,7 +297,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         times.decide, clock = _lap(clock)
         caught_up = 0
         proposals, lookup_lens = [], None
-        if decision.draft or self.planner.verifies_lookups_on_skipped_steps:
+        if decision.lookups and (decision.draft or self.planner.verifies_lookups_on_skipped_steps):
             # lookups cost no drafting, so they span the whole block whatever width the drafter runs at
             proposals, lookup_lens = self._lookup_proposals(slots, bonus, seq_lens, params, self.settings.gamma)
             lookup_seconds, clock = _lap(clock)

@@ -41,8 +41,8 @@ DEFAULT_SURVIVAL_EPS = 1e-6
 MAX_PROBE_BACKOFF = 8
 """Probes and skip samples come at most every `explore_every` x this many steps."""
 SKIP_SAMPLE_SPEEDUP = 4
-"""Until skipped steps are measured around a batch size, every `explore_every / 4`-th drafted
-step skips: at concurrency 16 one in 16 took ~190 drafted steps per batch size (8 warm-up and 4
+"""Until plain steps are measured around a batch size, every `explore_every / 4`-th speculated
+step runs plain: at concurrency 16 one in 16 took ~190 drafted steps per batch size (8 warm-up and 4
 measured skipped steps) before the check could act, and drafted steps there delivered 0.6-0.8x the tokens/s of skipped ones."""
 FORGET_MAX_BATCH = 4
 """A veto is forgotten with the requests it was measured on only up to this batch size: there
@@ -625,17 +625,18 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
     `capacity` in its decisions is the most the width allows (the early stop admits fewer).
 
     What the model values is checked against what the steps measured (`record_step`,
-    `StepRates`): where drafted steps around this batch size delivered fewer tokens/s than
-    skipped ones (by more than `StepRates.margin`), the step skips whatever the model says
-    (`vetoed`); the same backed-off probes keep the drafted side measured. A veto that began in
+    `StepRates`): where steps that speculated (ran the drafter or verified lookup drafts) around
+    this batch size delivered fewer tokens/s than plain one-token steps (by more than
+    `StepRates.margin`), the step runs plain whatever the model says (`vetoed`, `plain_step`:
+    no drafter, no lookup drafts); the same backed-off probes keep the speculated side measured. A veto that began in
     a batch of at most `FORGET_MAX_BATCH` is forgotten, with what drafted steps measured at that
     batch size, once none of its requests is left: acceptance is a property of the text, and at
     concurrency 1 one request whose drafts paid little (1.3 tokens a step) had otherwise kept
     the next six requests from drafting, 26 % of all steps vetoed; at concurrency 4 one wave's
     last request, vetoed at batch 1, vetoed every later wave's last request (47 % of steps).
-    Where skipped steps have not been measured lately, one drafted step in `explore_every *
-    MAX_PROBE_BACKOFF` skips instead (every `explore_every / SKIP_SAMPLE_SPEEDUP` until
-    `StepRates.min_samples` are known), so the comparison exists wherever the model drafts."""
+    Where plain steps have not been measured lately, one speculated step in `explore_every *
+    MAX_PROBE_BACKOFF` runs plain instead (every `explore_every / SKIP_SAMPLE_SPEEDUP` until
+    `StepRates.min_samples` are known), so the comparison exists wherever the server speculates."""
 
     def __init__(self, cost_model: CostModel | CostModelSlot, gamma: int, *, pool_steps: int = 16,
                  virtual_rows: int = 256, explore_every: int = 16, seed: int = 0,
@@ -646,8 +647,9 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         self._rng = np.random.default_rng(seed)
         self.rates = rates or StepRates()
         self._probe_every = explore_every
-        self._drafts_in_a_row = 0
-        self.vetoed = False  # the last decision skipped because drafting measurably lost
+        self._speculated_in_a_row = 0  # recorded steps since the last plain one
+        self.vetoed = False  # the last decision runs plain because speculating measurably lost
+        self.plain_step = False  # the last decision verifies no drafts at all (a veto, or a plain sample)
         self._veto_requests: frozenset | None = None  # the batch when drafting began to lose
         self._veto_batch = 0  # and its size
         self._drafting_lost = False
@@ -665,9 +667,10 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         recent = self.long_run_throughput()
         return skipping if recent is None else max(recent, skipping)
 
-    def record_step(self, request_ids: Sequence[Hashable], drafted: bool, committed_tokens: float,
+    def record_step(self, request_ids: Sequence[Hashable], speculated: bool, committed_tokens: float,
                     seconds: float) -> None:
-        """A finished step as measured (drafting included), for the draft-or-skip check.
+        """A finished step as measured (drafting included), for the speculate-or-plain check:
+        `speculated` when it ran the drafter or proposed lookup drafts.
 
         A step whose requests differ from the previous recorded step's (one finished, one joined)
         is left out: it pays for the change (at concurrency 16 on the AVX2 CPU a skipped step
@@ -676,13 +679,14 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         requests = frozenset(request_ids)
         changed = requests != self._recorded_requests
         self._recorded_requests = requests
+        self._speculated_in_a_row = self._speculated_in_a_row + 1 if speculated else 0
         if not changed:
-            self.rates.add(len(requests), drafted, committed_tokens, seconds)
+            self.rates.add(len(requests), speculated, committed_tokens, seconds)
 
     def decide(self, request_ids: Sequence[Hashable], *, context_tokens: float = 0.0,
                draft_seconds: float | Sequence[float] = 0.0, **unused) -> CapacityDecision:
         batch = len(request_ids)
-        self.vetoed = False
+        self.vetoed = self.plain_step = False
         if not self._history:  # nothing known: draft the whole block and learn
             return CapacityDecision(batch * self.gamma, self.gamma, float("nan"), float("nan"))
         throughput = self._throughput(batch, context_tokens)
@@ -696,7 +700,7 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         if self._veto_requests is not None and not requests & self._veto_requests:
             # the veto was measured on requests now gone: forget what drafting measured at the
             # veto's batch size (a wave's last request at 1, say, when the next wave runs at 4)
-            self.rates.forget(self._veto_batch, drafted=True)
+            self.rates.forget(self._veto_batch, speculated=True)
             self._veto_requests = None
         width = self._choose_width(batch, value)
         if not self._drafting_lost:
@@ -737,34 +741,33 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         """The best width by value (ties to the wider block), then the measured check and the
         probes on either side of it."""
         best = self.gamma - int(np.argmax(value[::-1]))
-        drafting_loses = self._drafting_lost = self.rates.drafting_loses(batch)
-        wants_draft = best > 0 and not drafting_loses
+        speculation_loses = self._drafting_lost = self.rates.speculation_loses(batch)
+        wants_draft = best > 0 and not speculation_loses
         self._probing = not wants_draft and self._skips + 1 >= self._probe_every
         if self._probing:  # draft anyway, at the best width the model sees
             width = self.gamma - int(np.argmax(value[:0:-1]))
             # the next probe waits twice as long, unless a step wants to draft before it
             self._probe_every = min(2 * self._probe_every, self.explore_every * MAX_PROBE_BACKOFF)
-        elif wants_draft and self._skip_sample_due(batch):
-            width = 0
+        elif not speculation_loses and self._plain_sample_due(batch):
+            width, self.plain_step = 0, True
         else:
             width = best if wants_draft else 0
-            self.vetoed = best > 0 and drafting_loses
+            self.vetoed = self.plain_step = speculation_loses
         if wants_draft:
             self._probe_every = self.explore_every
         self._skips = 0 if width > 0 else self._skips + 1
-        self._drafts_in_a_row = self._drafts_in_a_row + 1 if width > 0 else 0
         return width
 
-    def _skip_sample_due(self, batch: int) -> bool:
-        """Whether this drafted step should skip to measure skipped steps (see the class doc);
-        never before drafted steps are measured here (nothing to compare with yet)."""
-        if not self.rates.known(batch, drafted=True):
+    def _plain_sample_due(self, batch: int) -> bool:
+        """Whether this step should run plain to measure plain steps (see the class doc); never
+        before speculated steps are measured here (nothing to compare with yet)."""
+        if not self.rates.known(batch, speculated=True):
             return False
-        if not self.rates.known(batch, drafted=False):
+        if not self.rates.known(batch, speculated=False):
             every = max(2, self.explore_every // SKIP_SAMPLE_SPEEDUP)
         else:
             every = self.explore_every * MAX_PROBE_BACKOFF
-        return self._drafts_in_a_row + 1 >= every
+        return self._speculated_in_a_row + 1 >= every
 
     def verify_lens(self, survivals: torch.Tensor, max_lens: torch.Tensor | int,
                     context_tokens: float = 0.0) -> torch.Tensor:

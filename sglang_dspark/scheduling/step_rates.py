@@ -1,25 +1,32 @@
-"""What drafting actually delivered: measured tokens/s of steps that drafted against steps that
-skipped the drafter, per batch size.
+"""What speculation actually delivered: measured tokens/s of steps that speculated (ran the
+drafter, or verified lookup drafts) against plain one-token steps, per batch size.
 
 The production planner values a draft width with a cost model (the SPS table, rescaled online)
 and calibrated survivals. Both can be wrong in the same direction where it matters most: at
 concurrency 16 on this project's CPU, undrafted steps took 76 ms where the table said 99, served
 acceptance fell below the offline one, and the planner drafted 73-80 % of the steps for 0.84x
 the throughput of never drafting. `StepRates` needs no model: it compares what the two kinds of
-step measured at (about) this batch size, and the planner skips the drafter where drafting
+step measured at (about) this batch size, and the planner runs plain steps where speculating
 measurably loses ("speculation must never cost throughput under load").
+
+Lookup drafts count as speculation: they cost no drafter, but each verified one is a target row,
+and the step pays their proposals and planning. At concurrency 16 on the Zen 4 EPYC (session 45)
+steps that skipped the drafter but verified lookups delivered 386-396 tokens/s where plain steps
+delivered 403-417; while the check compared drafted steps only with plain ones and left
+lookup-only steps out, its skipped side was never measured there (a skip verified lookups), and
+the planner drafted at 0.93x plain serving's throughput.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-SKIP, DRAFT = 0, 1
+PLAIN, SPECULATED = 0, 1
 
 
 class StepRates:
     """Exponentially forgotten means of committed tokens and step seconds, per batch size and
-    per kind of step (drafted or not).
+    per kind of step (speculated or plain).
 
     A rate at batch size B pools the sizes within B +- B // `spread` (batch size drifts as
     requests come and go; a rate is comparable only across similar sizes), as the ratio of the
@@ -39,12 +46,12 @@ class StepRates:
         self._warmup_left = [warmup, warmup]
         self._stats: dict[int, np.ndarray] = {}  # batch size -> [kind, (tokens, seconds, count)]
 
-    def add(self, batch_size: int, drafted: bool, tokens: float, seconds: float) -> None:
-        """One finished decode step: its batch size, whether it drafted, the tokens it committed
-        and its seconds (drafting included)."""
+    def add(self, batch_size: int, speculated: bool, tokens: float, seconds: float) -> None:
+        """One finished decode step: its batch size, whether it speculated, the tokens it committed
+        and its seconds (drafting and planning included)."""
         if batch_size < 1 or not (seconds > 0.0 and np.isfinite(seconds)) or tokens < 0:
             return
-        kind = DRAFT if drafted else SKIP
+        kind = SPECULATED if speculated else PLAIN
         if self._warmup_left[kind] > 0:
             self._warmup_left[kind] -= 1
             return
@@ -56,9 +63,9 @@ class StepRates:
         row[0] += step * (tokens - row[0])
         row[1] += step * (seconds - row[1])
 
-    def rate(self, batch_size: int, drafted: bool) -> tuple[float | None, int]:
+    def rate(self, batch_size: int, speculated: bool) -> tuple[float | None, int]:
         """(tokens/s, samples) of this kind of step around `batch_size`; rate None without samples."""
-        kind = DRAFT if drafted else SKIP
+        kind = SPECULATED if speculated else PLAIN
         reach = batch_size // self.spread
         tokens = seconds = 0.0
         samples = 0
@@ -72,25 +79,25 @@ class StepRates:
             samples += int(stats[kind, 2])
         return (tokens / seconds if seconds > 0 else None), samples
 
-    def forget(self, batch_size: int, drafted: bool) -> None:
+    def forget(self, batch_size: int, speculated: bool) -> None:
         """Drop what steps of this kind measured around `batch_size` (the sizes `rate` pools)."""
-        kind = DRAFT if drafted else SKIP
+        kind = SPECULATED if speculated else PLAIN
         reach = batch_size // self.spread
         for size in range(max(1, batch_size - reach), batch_size + reach + 1):
             if size in self._stats:
                 self._stats[size][kind] = 0.0
 
-    def known(self, batch_size: int, drafted: bool) -> bool:
+    def known(self, batch_size: int, speculated: bool) -> bool:
         """At least `min_samples` steps of this kind were measured around `batch_size`."""
-        return self.rate(batch_size, drafted)[1] >= self.min_samples
+        return self.rate(batch_size, speculated)[1] >= self.min_samples
 
-    def drafting_loses(self, batch_size: int) -> bool:
-        """Both kinds are known around `batch_size` and drafted steps delivered more than `margin`
-        fewer tokens/s. The margin keeps noise from vetoing: at concurrency 1 a ten-step mean
+    def speculation_loses(self, batch_size: int) -> bool:
+        """Both kinds are known around `batch_size` and speculated steps delivered more than
+        `margin` fewer tokens/s than plain ones. The margin keeps noise from vetoing: at concurrency 1 a ten-step mean
         of committed tokens swings by ~20 %, and a request whose drafts pay little (1.3 tokens
         a step) drafted at 1.01x its skipped rate."""
-        skip_rate, skip_samples = self.rate(batch_size, drafted=False)
-        draft_rate, draft_samples = self.rate(batch_size, drafted=True)
-        if skip_rate is None or draft_rate is None or min(skip_samples, draft_samples) < self.min_samples:
+        plain_rate, plain_samples = self.rate(batch_size, speculated=False)
+        speculated_rate, speculated_samples = self.rate(batch_size, speculated=True)
+        if plain_rate is None or speculated_rate is None or min(plain_samples, speculated_samples) < self.min_samples:
             return False
-        return bool(draft_rate < (1.0 - self.margin) * skip_rate)  # a Python bool: step records are JSON
+        return bool(speculated_rate < (1.0 - self.margin) * plain_rate)  # a Python bool: step records are JSON
