@@ -478,6 +478,9 @@ def test_step_rates_pool_similar_batch_sizes_and_ignore_warmup_and_stalls():
             rates.add(size, False, 16.0, 0.08)
     rates.add(16, True, 18.0, 10.0)  # a stall (the tokenizer took a core) moves nothing
     assert rates.rate(16, speculated=True) == (pytest.approx(180.0), 13)
+    for tokens in (1.0, 1.0, 1.0, 8.0):  # skewed tokens (batch 1): their mean counts, not a typical step's
+        rates.add(1, True, tokens, 0.025)
+    assert rates.rate(1, speculated=True)[0] == pytest.approx(110.0)
     assert rates.rate(16, speculated=False) == (pytest.approx(200.0), 10)  # warm-up counts per kind
     assert rates.speculation_loses(16) is True and rates.speculation_loses(18) is True  # 18 +- 2 reaches 16 and 17
     assert not rates.speculation_loses(4), "nothing measured near batch 4"

@@ -32,12 +32,14 @@ class StepRates:
 
     A rate at batch size B pools the last `window` steps of each size within B +- B // `spread`
     (batch size drifts as requests come and go; a rate is comparable only across similar sizes)
-    and is the tokens/s of their middle half by per-step rate (the ratio of that half's summed
-    tokens and seconds). Trimmed, because steps on a 2-core machine stall when the tokenizer, the
-    detokenizer or the clients take a core: at concurrency 16 (session 45) single steps of either
-    kind took 60-120 ms among steps of 36-45 ms, and plain steps, sampled one in 128 while
-    speculation wins, are few; with a mean (even one clipped at 2x) one stalled plain sample
-    made speculating at 0.9x plain look like a win.
+    and is their mean committed tokens over their median seconds. The median, because steps on a
+    2-core machine stall when the tokenizer, the detokenizer or the clients take a core: at
+    concurrency 16 (session 45) single steps of either kind took 60-120 ms among steps of 36-45
+    ms, and plain steps, sampled one in 128 while speculation wins, are few; with a mean (even
+    one clipped at 2x) one stalled plain sample made speculating at 0.9x plain look like a win.
+    The mean of tokens, because a stall changes no step's tokens, and a speculated step's tokens
+    are skewed (many 1-token steps, a few of 5-8): a median of per-step rates, or a middle half
+    by rate, put drafting at batch 1 below plain steps and vetoed a third of its steps.
 
     A server's first decode steps pay one-off costs (7-10x a warm step on this CPU): the first
     `warmup` steps of each kind are not counted."""
@@ -75,10 +77,7 @@ class StepRates:
         if not steps:
             return None, 0
         tokens, seconds = np.asarray(steps, dtype=np.float64).T
-        order = np.argsort(tokens / seconds)
-        quarter = len(order) // 4
-        middle = order[quarter: len(order) - quarter]
-        return float(tokens[middle].sum() / seconds[middle].sum()), len(steps)
+        return float(tokens.mean() / np.median(seconds)), len(steps)
 
     def forget(self, batch_size: int, speculated: bool) -> None:
         """Drop what steps of this kind measured around `batch_size` (the sizes `rate` pools)."""
