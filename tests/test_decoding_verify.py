@@ -65,6 +65,13 @@ def test_greedy_verification_from_argmax_ids_alone_equals_verification_from_logi
     assert torch.equal(given.tokens, want.tokens)
     with pytest.raises(ValueError, match="verify_lens must be in 0..4"):
         verify_greedy(drafts, logits.argmax(-1), torch.full((32,), 5))
+    # a one-token step (every row verifies its bonus position only) takes the target's choices
+    one = verify(greedy_block(drafts[:, :1].tolist()), logits[:, :1], torch.zeros(32, dtype=torch.long),
+                 SamplingParams.uniform(32, 0.0))
+    got = verify_greedy(drafts[:, :0], logits[:, :1].argmax(-1), torch.zeros(32, dtype=torch.long))
+    assert torch.equal(got.num_accepted, one.num_accepted) and torch.equal(got.tokens, one.tokens)
+    with pytest.raises(ValueError, match="verify_lens must be in 0..0"):
+        verify_greedy(drafts[:, :0], logits[:, :1].argmax(-1), torch.ones(32, dtype=torch.long))
 
 
 def test_zero_drafts_just_samples_the_bonus_at_slot_zero() -> None:
