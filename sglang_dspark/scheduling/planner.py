@@ -42,8 +42,9 @@ MAX_PROBE_BACKOFF = 8
 """Probes and skip samples come at most every `explore_every` x this many steps."""
 SKIP_SAMPLE_SPEEDUP = 4
 """Until plain steps are measured around a batch size, every `explore_every / 4`-th speculated
-step runs plain: at concurrency 16 one in 16 took ~190 drafted steps per batch size (8 warm-up and 4
-measured skipped steps) before the check could act, and drafted steps there delivered 0.6-0.8x the tokens/s of skipped ones."""
+step runs plain: at concurrency 16 one in 16 took ~190 drafted steps per batch size (8 warm-up
+and 4 measured skipped steps) before the check could act, and drafted steps there delivered
+0.6-0.8x the tokens/s of skipped ones."""
 FORGET_MAX_BATCH = 4
 """A veto is forgotten with the requests it was measured on only up to this batch size: there
 one text's acceptance decides what drafting delivers; in larger batches it averages out, and
@@ -628,9 +629,9 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
     `StepRates`): where steps that speculated (ran the drafter or verified lookup drafts) around
     this batch size delivered fewer tokens/s than plain one-token steps (by more than
     `StepRates.margin`), the step runs plain whatever the model says (`vetoed`, `plain_step`:
-    no drafter, no lookup drafts); the same backed-off probes keep the speculated side measured. A veto that began in
-    a batch of at most `FORGET_MAX_BATCH` is forgotten, with what drafted steps measured at that
-    batch size, once none of its requests is left: acceptance is a property of the text, and at
+    no drafter, no lookup drafts); the same backed-off probes keep the speculated side measured.
+    A veto that began in a batch of at most `FORGET_MAX_BATCH` is forgotten, with what
+    speculated steps measured at that batch size, once none of its requests is left: acceptance is a property of the text, and at
     concurrency 1 one request whose drafts paid little (1.3 tokens a step) had otherwise kept
     the next six requests from drafting, 26 % of all steps vetoed; at concurrency 4 one wave's
     last request, vetoed at batch 1, vetoed every later wave's last request (47 % of steps).
