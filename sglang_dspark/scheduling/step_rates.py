@@ -38,8 +38,8 @@ class StepRates:
     ms, and plain steps, sampled one in 128 while speculation wins, are few; with a mean (even
     one clipped at 2x) one stalled plain sample made speculating at 0.9x plain look like a win.
     The mean of tokens, because a stall changes no step's tokens, and a speculated step's tokens
-    are skewed (many 1-token steps, a few of 5-8): a median of per-step rates, or a middle half
-    by rate, put drafting at batch 1 below plain steps and vetoed a third of its steps.
+    are skewed (many 1-token steps, a few of 5-8): the middle half of the steps by per-step rate
+    put drafting at batch 1 below plain steps, and 35 % of its steps were vetoed.
 
     A server's first decode steps pay one-off costs (7-10x a warm step on this CPU): the first
     `warmup` steps of each kind are not counted."""
