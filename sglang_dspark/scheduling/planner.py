@@ -696,9 +696,14 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
             # veto's batch size (a wave's last request at 1, say, when the next wave runs at 4)
             self.rates.forget(self._veto_batch, speculated=True)
             self._veto_requests = None
-        if self.rates.speculation_loses(batch) and self._skips + 1 < self._probe_every:
-            width = self._veto(batch)  # what _choose_width would decide, without valuing every
-            # width (~0.6 ms of numpy at batch 16 on every step of a saturated server)
+        speculation_loses = self._drafting_lost = self.rates.speculation_loses(batch)
+        if speculation_loses and self._skips + 1 < self._probe_every:
+            # a vetoed step (no probe due) runs plain without valuing every width (~0.6 ms of
+            # numpy at batch 16 on every step of a saturated server)
+            self.vetoed = self.plain_step = True
+            self._probing = False
+            self._skips += 1
+            width = 0
             one_token = _target_seconds(self.cost_model, batch, np.array([float(batch)]), context_tokens)[0]
             decision = CapacityDecision(0, 0, float(batch), float(one_token + self.fixed_seconds))
         else:
@@ -708,7 +713,7 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
             # requests): then every value is negative and the cheapest width, skipping, wins
             # whatever drafting would deliver, so cap lambda at this step's best tokens/s
             self._step_throughput = min(throughput, float((expected / seconds).max()))
-            width = self._choose_width(batch, expected - self._step_throughput * seconds)
+            width = self._choose_width(batch, expected - self._step_throughput * seconds, speculation_loses)
             decision = CapacityDecision(batch * width, width, float(expected[width]), float(seconds[width]))
         if not self._drafting_lost:
             self._veto_requests = None
@@ -716,13 +721,6 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
             self._veto_requests, self._veto_batch = requests, batch
         self._track_throughput(decision)
         return decision
-
-    def _veto(self, batch: int) -> int:
-        """A step that runs plain because speculating measurably loses here (no probe due)."""
-        self._drafting_lost = self.vetoed = self.plain_step = True
-        self._probing = False
-        self._skips += 1
-        return 0
 
     def _width_values(self, batch: int, context_tokens: float, draft_seconds: float | Sequence[float],
                       throughput: float) -> tuple[np.ndarray, np.ndarray]:
@@ -750,21 +748,18 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         seconds = np.concatenate(([target[0]], target[admitted.sum(axis=2)].mean(axis=1) + costs[1:]))
         return expected, seconds
 
-    def _choose_width(self, batch: int, value: np.ndarray) -> int:
-        """The best width by value (ties to the wider block), then the measured check and the
-        probes on either side of it."""
+    def _choose_width(self, batch: int, value: np.ndarray, speculation_loses: bool) -> int:
+        """The best width by value (ties to the wider block), then the probes and plain samples
+        around it. Where speculation loses, `decide` has already run every step but the probes."""
         best = self.gamma - int(np.argmax(value[::-1]))
-        speculation_loses = self._drafting_lost = self.rates.speculation_loses(batch)
         wants_draft = best > 0 and not speculation_loses
         self._probing = not wants_draft and self._skips + 1 >= self._probe_every
         if self._probing:  # draft anyway, at the best width the model sees
             width = self.gamma - int(np.argmax(value[:0:-1]))
             # the next probe waits twice as long, unless a step wants to draft before it
             self._probe_every = min(2 * self._probe_every, self.explore_every * MAX_PROBE_BACKOFF)
-        elif not speculation_loses and self._plain_sample_due(batch):
+        elif self._plain_sample_due(batch):  # (also where the model skips: lookups speculate too)
             width, self.plain_step = 0, True
-        elif speculation_loses:  # (`decide` runs these steps itself, without valuing widths)
-            return self._veto(batch)
         else:
             width = best if wants_draft else 0
         if wants_draft:
