@@ -19,9 +19,10 @@ the planner drafted at 0.93x plain serving's throughput.
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import deque
 
-import numpy as np
 
 PLAIN, SPECULATED = 0, 1
 
@@ -56,7 +57,7 @@ class StepRates:
     def add(self, batch_size: int, speculated: bool, tokens: float, seconds: float) -> None:
         """One finished decode step: its batch size, whether it speculated, the tokens it committed
         and its seconds (drafting and planning included)."""
-        if batch_size < 1 or not (seconds > 0.0 and np.isfinite(seconds)) or tokens < 0:
+        if batch_size < 1 or not (seconds > 0.0 and math.isfinite(seconds)) or tokens < 0:
             return
         kind = SPECULATED if speculated else PLAIN
         if self._warmup_left[kind] > 0:
@@ -76,8 +77,10 @@ class StepRates:
         steps = self._pooled(batch_size, SPECULATED if speculated else PLAIN)
         if not steps:
             return None, 0
-        tokens, seconds = np.asarray(steps, dtype=np.float64).T
-        return float(tokens.mean() / np.median(seconds)), len(steps)
+        # plain Python: two calls every decode step on <= 32-step lists, where building a numpy
+        # array from the tuples took ~4x as long as the arithmetic
+        mean_tokens = sum(tokens for tokens, _ in steps) / len(steps)
+        return mean_tokens / statistics.median(seconds for _, seconds in steps), len(steps)
 
     def forget(self, batch_size: int, speculated: bool) -> None:
         """Drop what steps of this kind measured around `batch_size` (the sizes `rate` pools)."""
