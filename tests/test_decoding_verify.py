@@ -21,7 +21,7 @@ from decoding_stats import FALSE_ALARM_RATE, chi_square_p_value, total_variation
 
 from sglang_dspark.decoding import DraftBlock, SamplingParams, logits_to_probs, sample_block, verify, verify_greedy
 from sglang_dspark.decoding import verification
-from sglang_dspark.decoding.verification import NO_TOKEN
+from sglang_dspark.decoding.verification import LIST_WALK_MAX_ROWS, NO_TOKEN
 
 
 def greedy_block(tokens: list[list[int]]) -> DraftBlock:
@@ -50,28 +50,29 @@ def test_greedy_accepts_the_matching_prefix_then_emits_the_target_argmax() -> No
     ]
 
 
-def test_greedy_verification_from_argmax_ids_alone_equals_verification_from_logits() -> None:
+@pytest.mark.parametrize("batch", [32, 2 * LIST_WALK_MAX_ROWS], ids=["list-walk", "tensor-ops"])
+def test_greedy_verification_from_argmax_ids_alone_equals_verification_from_logits(batch: int) -> None:
     generator = torch.Generator().manual_seed(3)
-    logits = torch.randn(32, 5, 6, generator=generator)
-    drafts = torch.randint(0, 6, (32, 7), generator=generator)
-    drafts[:16, :4] = logits[:16, :4].argmax(-1)  # half the rows accept some drafts
-    verify_lens = torch.randint(0, 5, (32,), generator=generator)
-    want = verify(greedy_block(drafts.tolist()), logits, verify_lens, SamplingParams.uniform(32, 0.0))
+    logits = torch.randn(batch, 5, 6, generator=generator)
+    drafts = torch.randint(0, 6, (batch, 7), generator=generator)
+    drafts[: batch // 2, :4] = logits[: batch // 2, :4].argmax(-1)  # half the rows accept some drafts
+    verify_lens = torch.randint(0, 5, (batch,), generator=generator)
+    want = verify(greedy_block(drafts.tolist()), logits, verify_lens, SamplingParams.uniform(batch, 0.0))
     got = verify_greedy(drafts, logits.argmax(-1), verify_lens)
     assert torch.equal(got.num_accepted, want.num_accepted) and torch.equal(got.tokens, want.tokens)
     assert int(want.num_accepted.max()) >= 2, "the comparison must cover accepted runs, not just rejections"
-    given = verify(greedy_block(drafts.tolist()), logits, verify_lens, SamplingParams.uniform(32, 0.0),
+    given = verify(greedy_block(drafts.tolist()), logits, verify_lens, SamplingParams.uniform(batch, 0.0),
                    target_argmax=logits.argmax(-1))
     assert torch.equal(given.tokens, want.tokens)
     with pytest.raises(ValueError, match="verify_lens must be in 0..4"):
-        verify_greedy(drafts, logits.argmax(-1), torch.full((32,), 5))
+        verify_greedy(drafts, logits.argmax(-1), torch.full((batch,), 5))
     # a one-token step (every row verifies its bonus position only) takes the target's choices
-    one = verify(greedy_block(drafts[:, :1].tolist()), logits[:, :1], torch.zeros(32, dtype=torch.long),
-                 SamplingParams.uniform(32, 0.0))
-    got = verify_greedy(drafts[:, :0], logits[:, :1].argmax(-1), torch.zeros(32, dtype=torch.long))
+    one = verify(greedy_block(drafts[:, :1].tolist()), logits[:, :1], torch.zeros(batch, dtype=torch.long),
+                 SamplingParams.uniform(batch, 0.0))
+    got = verify_greedy(drafts[:, :0], logits[:, :1].argmax(-1), torch.zeros(batch, dtype=torch.long))
     assert torch.equal(got.num_accepted, one.num_accepted) and torch.equal(got.tokens, one.tokens)
     with pytest.raises(ValueError, match="verify_lens must be in 0..0"):
-        verify_greedy(drafts[:, :0], logits[:, :1].argmax(-1), torch.ones(32, dtype=torch.long))
+        verify_greedy(drafts[:, :0], logits[:, :1].argmax(-1), torch.ones(batch, dtype=torch.long))
 
 
 def test_zero_drafts_just_samples_the_bonus_at_slot_zero() -> None:
