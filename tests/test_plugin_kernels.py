@@ -426,3 +426,77 @@ def test_every_kernel_source_compiles_for_both_vector_isas(march):
         result = subprocess.run([compiler, "-fsyntax-only", f"-march={march}", "-fopenmp", str(source)],
                                 capture_output=True, text=True)
         assert result.returncode == 0, f"{source.name} for {march}: {result.stderr[:2000]}"
+
+
+def _anon_huge_kb(start: int, end: int) -> int:
+    """AnonHugePages (kB) of this process's mappings that overlap [start, end)."""
+    total, overlaps = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(part, 16) for part in head.split("-"))
+            overlaps = low < end and start < high
+        elif overlaps and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not vector_isa_supported(), reason="the kernel needs AVX-512F or AVX2 + FMA, which this CPU lacks")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_panels_in_one_block_hold_what_each_packed_alone_holds(dtype):
+    """`pack_all_panels` (how the plugin packs a model) gives every weight the panels
+    `pack_panels` gives it alone, each one its own contiguous tensor, aligned, none overlapping."""
+    from sglang_dspark.kernels_cpu.panel_gemm import PANEL_ALIGN_BYTES, pack_all_panels, pack_panels, panel_linear
+
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=generator).to(dtype) for n, k in ((77, 64), (32, 96), (1000, 64))]
+    packed = pack_all_panels(weights)
+    for weight, panels in zip(weights, packed):
+        assert torch.equal(panels, pack_panels(weight)) and panels.is_contiguous()
+        assert panels.data_ptr() % PANEL_ALIGN_BYTES == 0
+        x = torch.randn(3, weight.shape[1], generator=generator).to(dtype)
+        assert torch.equal(panel_linear(x, panels, weight.shape[0]), panel_linear(x, pack_panels(weight), weight.shape[0]))
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in packed)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+    with pytest.raises(ValueError, match="must be contiguous"):
+        pack_panels(weights[0], out=torch.empty(packed[1].shape, dtype=dtype))
+
+
+def test_huge_page_memory_is_2mb_aligned_and_backed_by_2mb_pages_where_linux_allows(monkeypatch):
+    """Where the kernel's transparent huge pages are `always` or `madvise`, `huge_pages.empty`
+    hands out memory that the kernel backs with 2 MB pages once written (the weight panels stream
+    through it every step); `DSPARK_CPU_HUGE_PAGES=off` and a bad value behave as documented."""
+    from sglang_dspark.kernels_cpu import huge_pages
+
+    monkeypatch.setenv("DSPARK_CPU_HUGE_PAGES", "sometimes")
+    huge_pages.unavailable_reason.cache_clear()
+    with pytest.raises(ValueError, match="DSPARK_CPU_HUGE_PAGES='sometimes': expected one of auto, off"):
+        huge_pages.empty(8 << 20)
+    monkeypatch.setenv("DSPARK_CPU_HUGE_PAGES", "off")
+    huge_pages.unavailable_reason.cache_clear()
+    assert huge_pages.unavailable_reason() == "off" and huge_pages.empty(5).shape == (5,)
+    monkeypatch.delenv("DSPARK_CPU_HUGE_PAGES")
+    huge_pages.unavailable_reason.cache_clear()
+    try:
+        if huge_pages.transparent_huge_pages() not in ("always", "madvise"):
+            pytest.skip(f"transparent huge pages are {huge_pages.transparent_huge_pages()} on this kernel")
+        assert huge_pages.unavailable_reason() is None
+        block = huge_pages.empty(8 << 20)
+        assert block.shape == (8 << 20,) and block.dtype == torch.uint8
+        assert block.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+        block.fill_(1)  # first touch: the kernel backs it now
+        start = block.data_ptr()
+        assert _anon_huge_kb(start, start + block.numel()) >= 2048, "the block was written but no 2 MB page backs it"
+    finally:
+        huge_pages.unavailable_reason.cache_clear()
+
+
+def test_the_thp_mode_is_read_from_the_bracketed_word(tmp_path):
+    from sglang_dspark.kernels_cpu.huge_pages import transparent_huge_pages
+
+    setting = tmp_path / "enabled"
+    setting.write_text("always [madvise] never\n")
+    assert transparent_huge_pages(setting) == "madvise"
+    setting.write_text("always madvise [never]\n")
+    assert transparent_huge_pages(setting) == "never"
+    assert transparent_huge_pages(tmp_path / "missing") is None

@@ -28,7 +28,7 @@ from sglang_dspark.decoding.sampling import SamplingParams
 from sglang_dspark.decoding.verification import DraftBlock
 from sglang_dspark.kernels_cpu.build import load_library
 from sglang_dspark.kernels_cpu.gemm_layout import fastest_panel_rows
-from sglang_dspark.kernels_cpu.panel_gemm import pack_panels, panel_linear
+from sglang_dspark.kernels_cpu.panel_gemm import pack_all_panels, panel_linear
 
 SOURCE = Path(__file__).with_name("draft_walk.cpp")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -77,7 +77,7 @@ class KernelWalk:
         if head_panels:
             self._panel_rows = fastest_panel_rows(drafter.dtype)
             if self._panel_rows:
-                self._panels = pack_panels(drafter.lm_head.weight)
+                self._panels = pack_all_panels([drafter.lm_head.weight])[0]
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """U = lm_head(h) `[B, W, V_draft]`, through the panels where they are faster."""

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from sglang_dspark.kernels_cpu.panel_gemm import pack_panels, panel_linear
+from sglang_dspark.kernels_cpu.panel_gemm import pack_all_panels, panel_linear
 
 # SmolLM2-135M: (in, out) of qkv, o, gate_up, down per layer; 30 layers; tied lm_head 576 -> 49152
 SMOLLM2_LAYER_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
@@ -52,7 +52,7 @@ def time_linears(rows: list[int], dtype_name: str, layer_shapes=SMOLLM2_LAYER_SH
     shapes = [shape for _ in range(layers) for shape in layer_shapes] + ([head] if head else [])
     weights = [torch.randn(n, k, generator=generator).to(dtype) for k, n in shapes]
     blas = [_blas_weight(w) for w in weights]
-    panels = [pack_panels(w) for w in weights]
+    panels = pack_all_panels(weights)  # as served: one block of memory, 2 MB pages where allowed
     timings = []
     for count in rows:
         inputs = {k: torch.randn(count, k, generator=generator).to(dtype) for k, _ in shapes}

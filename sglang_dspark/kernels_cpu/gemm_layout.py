@@ -33,8 +33,9 @@ import sys
 
 import torch
 
+from sglang_dspark.kernels_cpu import huge_pages
 from sglang_dspark.kernels_cpu.panel_gemm import (SUPPORTED_DTYPES, PanelKernelUnavailable, amx_panels, load_kernel,
-                                                pack_panels, panel_linear)
+                                                pack_all_panels, panel_linear)
 from sglang_dspark.runtime import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -187,10 +188,10 @@ def add_panels(model: torch.nn.Module, rows: range | None = None, available_byte
         logger.info("sglang-dspark: no weight panels (%.1f GB, over a quarter of the %.1f GB available)",
                     extra / 2**30, available / 2**30)
         return 0
-    panels: dict[int, torch.Tensor] = {}
+    weights = {id(m.weight): m.weight for m in modules}  # a tied weight is packed once
+    panels = dict(zip(weights, pack_all_panels(list(weights.values()))))
     for module in modules:
-        packed = panels.setdefault(id(module.weight), pack_panels(module.weight))
-        module.quant_method = PanelLayouts(module.quant_method, packed, module.weight.shape[0], rows)
+        module.quant_method = PanelLayouts(module.quant_method, panels[id(module.weight)], module.weight.shape[0], rows)
     return len(modules)
 
 
@@ -228,18 +229,20 @@ def add_linear_panels(module: torch.nn.Module, rows: range | None = None) -> int
     """Replace each plain float32/bfloat16 CPU `nn.Linear` of `module` by a `PanelLinear` serving
     inputs of `rows` rows (default: `fastest_panel_rows` for the weights' dtype); returns how many.
     Raises `PanelKernelUnavailable` when the kernel cannot run here."""
-    replaced = 0
+    chosen = []  # (parent, name, linear, rows)
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not torch.nn.Linear or not _cpu_matrix(child.weight, SUPPORTED_DTYPES):
                 continue
             child_rows = fastest_panel_rows(child.weight.dtype) if rows is None else rows
-            if not child_rows:
-                continue
-            load_kernel()
-            setattr(parent, name, PanelLinear(child, pack_panels(child.weight), child_rows))
-            replaced += 1
-    return replaced
+            if child_rows:
+                chosen.append((parent, name, child, child_rows))
+    if not chosen:
+        return 0
+    load_kernel()
+    for (parent, name, child, child_rows), panels in zip(chosen, pack_all_panels([c[2].weight for c in chosen])):
+        setattr(parent, name, PanelLinear(child, panels, child_rows))
+    return len(chosen)
 
 
 def after_load_model(result, model_runner, *args, **kwargs):
@@ -255,6 +258,7 @@ def after_load_model(result, model_runner, *args, **kwargs):
         except PanelKernelUnavailable as error:
             logger.warning("sglang-dspark: no weight panels, small batches use the BLAS (slower): %s", error)
             return None
+        reason = huge_pages.unavailable_reason()
         logger.info("sglang-dspark: %d linears multiply small batches through weight panels "
-                    "(DSPARK_CPU_PANEL_ROWS)", layers)
+                    "(DSPARK_CPU_PANEL_ROWS) in %s", layers, "2 MB pages" if reason is None else f"4 KB pages ({reason})")
     return None
