@@ -71,7 +71,8 @@ def run_wave(url: str, texts: list[str], max_new_tokens: int, ignore_eos: bool =
         results = list(pool.map(lambda t: _generate(url, t, max_new_tokens, ignore_eos, sampling), texts))
     wall = time.perf_counter() - started
     tokens = sum(r["tokens"] for r in results)
-    wave = {"aggregate_tok_s": tokens / wall, "per_user_tok_s": statistics.mean(r["tokens"] / r["seconds"] for r in results)}
+    wave = {"aggregate_tok_s": tokens / wall, "per_user_tok_s": statistics.mean(r["tokens"] / r["seconds"] for r in results),
+            "tokens": tokens, "seconds": wall}
     steps = sum(r["verify_steps"] or 0 for r in results)
     if steps:
         wave["tau"] = tokens / steps
@@ -79,9 +80,19 @@ def run_wave(url: str, texts: list[str], max_new_tokens: int, ignore_eos: bool =
     return wave
 
 
+POOLED = ("tokens", "seconds")  # a wave's totals: summed over a cell's waves, not medians
+
+
 def _median_cells(waves: list[dict]) -> dict:
-    return ({key: statistics.median(w[key] for w in waves) for key in waves[0]}
+    """Each measure's median over the cell's waves, the waves' own rates, and `pooled_tok_s`: all
+    the waves' tokens over all their seconds. At concurrency 1 a wave's rate swings with its 4
+    prompts (53-92 tok/s for DSPARK_LIVE, session 46), so the median of 4 such waves moves by
+    ~10 % from run to run where the pooled rate (each wave weighed by its time) moves less."""
+    cell = ({key: statistics.median(w[key] for w in waves) for key in waves[0] if key not in POOLED}
             | {"repeats": len(waves), "waves_tok_s": [w["aggregate_tok_s"] for w in waves]})
+    if all(key in w for w in waves for key in POOLED):
+        cell["pooled_tok_s"] = sum(w["tokens"] for w in waves) / sum(w["seconds"] for w in waves)
+    return cell
 
 
 def waves_per_cell(wave_requests: int, repeats: int, min_requests: int) -> int:
@@ -287,8 +298,10 @@ def speedups(arms: dict) -> dict:
     """Aggregate tokens/s ratios per concurrency: `speedup` (dspark / plain), `nodraft_speedup`
     (nodraft / plain) and `speculation_speedup` (dspark / nodraft), for the arms that ran, as
     ratios of the cells' medians; and each as `<name>_paired`, the median of the ratios of the
-    two arms' waves of the same repeat (seconds apart, so the machine's drift cancels). A variant
-    arm (`dspark.column`) gets `<variant>_vs_<base>` against its base arm."""
+    two arms' waves of the same repeat (seconds apart, so the machine's drift cancels), and
+    `<name>_pooled`, the ratio of the cells' pooled rates (with the same greedy tokens in both arms:
+    the ratio of their total seconds). A variant arm (`dspark.column`) gets `<variant>_vs_<base>`
+    against its base arm."""
     pairs = {"speedup": ("dspark", "plain"), "nodraft_speedup": ("nodraft", "plain"),
              "speculation_speedup": ("dspark", "nodraft")}
     pairs.update({f"{arm}_vs_{arm_base(arm)}": (arm, arm_base(arm)) for arm in arms if arm != arm_base(arm)})
@@ -300,6 +313,10 @@ def speedups(arms: dict) -> dict:
         report[f"{name}_paired"] = {
             c: statistics.median(a / b for a, b in zip(arms[top][c]["waves_tok_s"], arms[bottom][c]["waves_tok_s"]))
             for c in arms[bottom] if "waves_tok_s" in arms[bottom][c]}
+        pooled = {c: arms[top][c]["pooled_tok_s"] / arms[bottom][c]["pooled_tok_s"]
+                  for c in arms[bottom] if "pooled_tok_s" in arms[bottom][c] and "pooled_tok_s" in arms[top].get(c, {})}
+        if pooled:
+            report[f"{name}_pooled"] = pooled
     return report
 
 

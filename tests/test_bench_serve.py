@@ -125,6 +125,27 @@ def test_paired_speedups_cancel_a_drift_that_the_ratio_of_medians_does_not():
     assert [waves_per_cell(c, 3, 12) for c in (1, 4, 16)] == [12, 3, 3]
 
 
+def test_the_pooled_rate_weighs_each_wave_by_its_time_where_a_median_of_few_waves_jumps():
+    """Four waves of different prompts, one of them slow for DSPARK_LIVE (its drafts rarely
+    survive): the median of the four rates lands between two waves, the pooled rate is the
+    cell's total tokens over its total seconds."""
+    from dspark_ctl.bench_serve import _median_cells, speedups
+
+    def wave(tokens: int, seconds: float) -> dict:
+        return {"aggregate_tok_s": tokens / seconds, "per_user_tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds}
+
+    plain = [wave(400, 10.0), wave(400, 10.0), wave(400, 10.0), wave(400, 10.0)]
+    dspark = [wave(400, 5.0), wave(400, 8.0), wave(400, 4.0), wave(400, 5.5)]
+    arms = {"plain": {"1": _median_cells(plain)}, "dspark": {"1": _median_cells(dspark)}}
+    assert arms["dspark"]["1"]["pooled_tok_s"] == pytest.approx(1600 / 22.5)
+    assert "tokens" not in arms["dspark"]["1"] and arms["dspark"]["1"]["repeats"] == 4
+    ratios = speedups(arms)
+    assert ratios["speedup_pooled"]["1"] == pytest.approx(40.0 / 22.5)  # the ratio of total seconds
+    assert ratios["speedup"]["1"] == pytest.approx((80.0 + 400 / 5.5) / 2 / 40.0)  # the median's pick
+    assert "speedup_pooled" not in speedups({arm: {"1": {k: v for k, v in cells["1"].items() if k != "pooled_tok_s"}}
+                                             for arm, cells in arms.items()})
+
+
 def test_the_nodraft_arm_is_the_worker_without_drafts(tmp_path):
     from dspark_ctl.bench_serve import arm_launch
 
