@@ -17,10 +17,9 @@ memory (and logs why once, but for `off`): the same values, only slower.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import logging
+import mmap
 import os
 from pathlib import Path
 
@@ -30,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
 PAGE_BYTES = 4096
-MADV_HUGEPAGE = 14  # <linux/mman.h>
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 MODES = ("auto", "off")
 
@@ -63,19 +61,9 @@ def unavailable_reason() -> str | None:
     mode = transparent_huge_pages()
     if mode not in ("always", "madvise"):
         return f"transparent huge pages are {mode or 'not available'} on this kernel"
-    if _libc() is None:
-        return "no C library to call madvise through"
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "this Python has no madvise(MADV_HUGEPAGE)"
     return None
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    libc = ctypes.CDLL(name, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -85,20 +73,29 @@ def _round_up(value: int, multiple: int) -> int:
 def empty(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 CPU tensor of `nbytes`, starting on a page boundary, whose memory the
     kernel backs with 2 MB pages as it is first written where it can (see the module doc) and the
-    block spans at least one; 4 KB pages otherwise."""
+    block spans at least one; 4 KB pages otherwise.
+
+    The 2 MB kind is a private anonymous mapping of its own: memory from the allocator may have
+    been written before (glibc serves blocks below its mmap threshold, up to 32 MB, from reused
+    heap), and a page written before `madvise` stays a 4 KB page."""
     if nbytes < 0:
         raise ValueError(f"huge_pages.empty: nbytes={nbytes}, expected >= 0")
     reason = unavailable_reason()
     if reason not in (None, "off"):
         _log_once(f"sglang-dspark: weight panels in 4 KB pages ({reason})")
-    huge = reason is None and nbytes >= HUGE_PAGE_BYTES
-    align = HUGE_PAGE_BYTES if huge else PAGE_BYTES
-    span = _round_up(nbytes, align)
-    raw = torch.empty(span + align, dtype=torch.uint8)  # untouched: no page is backed yet
-    offset = _round_up(raw.data_ptr(), align) - raw.data_ptr()
-    if huge and _libc().madvise(raw.data_ptr() + offset, span, MADV_HUGEPAGE) != 0:
-        _log_once(f"sglang-dspark: weight panels in 4 KB pages (madvise: {os.strerror(ctypes.get_errno())})")
-    return raw[offset:offset + nbytes]  # the view keeps the whole allocation alive
+    if reason is not None or nbytes < HUGE_PAGE_BYTES:
+        raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
+        offset = _round_up(raw.data_ptr(), PAGE_BYTES) - raw.data_ptr()
+        return raw[offset:offset + nbytes]
+    span = _round_up(nbytes, HUGE_PAGE_BYTES)
+    mapping = mmap.mmap(-1, span + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping; nothing written yet
+    offset = _round_up(raw.data_ptr(), HUGE_PAGE_BYTES) - raw.data_ptr()
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, offset, span)
+    except OSError as error:
+        _log_once(f"sglang-dspark: weight panels in 4 KB pages (madvise: {error.strerror})")
+    return raw[offset:offset + nbytes]
 
 
 @functools.cache
