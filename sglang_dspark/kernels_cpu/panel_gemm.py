@@ -86,6 +86,7 @@ SOURCE = Path(__file__).with_name("panel_gemm.cpp")
 PANEL_WIDTH = 32
 AMX_TILE_K = 32  # inputs per tile multiply: AMX panels need an input width that is a multiple
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+PANEL_ALIGN_BYTES = 4096  # `pack_all_panels` starts each weight's panels on a page of their block
 
 
 class PanelKernelUnavailable(KernelUnavailable):
@@ -182,8 +183,6 @@ def pack_panels(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.
         return packed.contiguous()
     return out.copy_(packed)
 
-
-PANEL_ALIGN_BYTES = 4096
 
 
 def pack_all_panels(weights: list[torch.Tensor]) -> list[torch.Tensor]:
