@@ -162,12 +162,6 @@ int64_t row_argmax(const T* row, int64_t cols) {
 inline vec16 negative_abs(vec16 x) { return vsub(vzero(), vmax(x, vsub(vzero(), x))); }
 
 
-// v rounded to bfloat16 (to nearest even) and widened back.
-inline vec16 round_to_bf16(vec16 v) {
-  uint16_t lanes[16];
-  vstore_bf16_masked(lanes, 0xFFFF, v);
-  return vload(lanes);
-}
 
 // silu(x) = x * sigmoid(x), with t = e^-|x| so that the exponent never overflows:
 // sigmoid(x) = 1 / (1 + t) for x >= 0, t / (1 + t) below.
@@ -190,7 +184,7 @@ void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t d,
     for (int64_t i = 0; i < d; i += 16) {
       const lanemask mask = first_lanes(d - i);
       vec16 s = silu(load_lanes(mask, gate + i));
-      if constexpr (kRoundSilu) s = round_to_bf16(s);
+      if constexpr (kRoundSilu) s = vround_bf16(s);
       vstore_masked(o + i, mask, vmul(s, load_lanes(mask, up + i)));
     }
   }

@@ -82,6 +82,16 @@ inline void vstore_bf16_masked(uint16_t* p, lanemask mask, vec16 v) {
   _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(rounded));
 }
 
+// v rounded to bfloat16 as `vstore_bf16_masked` rounds it, and widened back, in registers.
+inline vec16 vround_bf16(vec16 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))),
+                                     _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  rounded = _mm512_mask_mov_epi32(rounded, vnan(v), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(rounded);
+}
+
 #else  // AVX2 + FMA: lanes 0-7 in lo, 8-15 in hi.
 constexpr bool kAvx512 = false;
 struct vec16 {
@@ -192,6 +202,10 @@ inline __m256i bf16_rounded(__m256 v) {
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
   return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+inline vec16 vround_bf16(vec16 v) {
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(bf16_rounded(v.lo), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(bf16_rounded(v.hi), 16))};
 }
 inline void vstore_bf16_masked(uint16_t* p, lanemask mask, vec16 v) {
   // packus interleaves 128-bit halves: [lo 0-3, hi 0-3, lo 4-7, hi 4-7]; the permute restores order.
