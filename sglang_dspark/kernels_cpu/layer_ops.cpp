@@ -220,10 +220,15 @@ void dspark_add_rmsnorm(const void* x, int64_t x_stride, const void* residual, i
 }
 
 // q, k: [rows, heads * head_size] with their row strides; q_out, k_out: contiguous, same shapes;
-// cache: [positions, rotary_dim] (cos half, then sin half) with row stride cache_stride.
-void dspark_rope_neox(const int64_t* positions, const void* q, int64_t q_stride, void* q_out, int q_heads,
-                      const void* k, int64_t k_stride, void* k_out, int k_heads, int64_t rows, int head_size,
-                      int rotary_dim, const void* cache, int64_t cache_stride, int bf16, int cache_bf16) {
+// cache: [cache_rows, rotary_dim] (cos half, then sin half) with row stride cache_stride. Returns 0,
+// or -1 (writing nothing) where a position lies outside 0..cache_rows-1: checked here, where it costs
+// nothing, instead of by two tensor reductions in Python on every layer of every forward.
+int dspark_rope_neox(const int64_t* positions, const void* q, int64_t q_stride, void* q_out, int q_heads,
+                     const void* k, int64_t k_stride, void* k_out, int k_heads, int64_t rows, int head_size,
+                     int rotary_dim, const void* cache, int64_t cache_stride, int64_t cache_rows, int bf16,
+                     int cache_bf16) {
+  for (int64_t r = 0; r < rows; ++r)
+    if (positions[r] < 0 || positions[r] >= cache_rows) return -1;
   for (int which = 0; which < 2; ++which) {
     const void* x = which == 0 ? q : k;
     void* out = which == 0 ? q_out : k_out;
@@ -242,6 +247,7 @@ void dspark_rope_neox(const int64_t* positions, const void* q, int64_t q_stride,
       rope_rows(positions, static_cast<const float*>(x), stride, static_cast<float*>(out), rows, heads, head_size,
                 rotary_dim, static_cast<const float*>(cache), cache_stride);
   }
+  return 0;
 }
 
 // x: [rows, heads * head_size] with row stride x_stride; out: contiguous, same shape; weight:

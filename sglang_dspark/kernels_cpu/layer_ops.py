@@ -27,17 +27,19 @@ DTYPES = (torch.float32, torch.bfloat16)
 def load_layer_ops() -> ctypes.CDLL:
     """The compiled kernels, built on first use; raises `KernelUnavailable` with the reason."""
     c = ctypes
-    return load_library(SOURCE, {
+    library = load_library(SOURCE, {
         "dspark_add_rmsnorm": [c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p,
                                c.c_int64, c.c_int64, c.c_float, c.c_int, c.c_int, c.c_int],
         "dspark_rope_neox": [c.c_void_p, c.c_void_p, c.c_int64, c.c_void_p, c.c_int, c.c_void_p, c.c_int64,
-                             c.c_void_p, c.c_int, c.c_int64, c.c_int, c.c_int, c.c_void_p, c.c_int64, c.c_int,
-                             c.c_int],
+                             c.c_void_p, c.c_int, c.c_int64, c.c_int, c.c_int, c.c_void_p, c.c_int64, c.c_int64,
+                             c.c_int, c.c_int],
         "dspark_row_argmax": [c.c_void_p, c.c_int64, c.c_int64, c.c_int64, c.c_int, c.c_void_p, c.c_int],
         "dspark_head_norm_rope": [c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_int, c.c_int, c.c_void_p,
                                   c.c_float, c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_int],
         "dspark_silu_and_mul": [c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_int64, c.c_int, c.c_int],
     })
+    library.dspark_rope_neox.restype = c.c_int  # -1: a position outside the cache
+    return library
 
 
 def rmsnorm_weight_fits(weight: torch.Tensor) -> bool:
@@ -80,15 +82,16 @@ def rope_neox(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, h
               cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding of `query`/`key [tokens, heads * head_size]` (new tensors of
     their shapes); `cache [max_position, rotary_dim]` holds cos then sin. Check `rope_fits` first."""
-    if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < cache.shape[0]:
-        raise ValueError(f"rotary positions {int(positions.min())}..{int(positions.max())} outside a cache of "
-                         f"{cache.shape[0]} positions")
     query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
     key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
-    load_layer_ops().dspark_rope_neox(
+    status = load_layer_ops().dspark_rope_neox(
         positions.data_ptr(), query.data_ptr(), query.stride(0), query_out.data_ptr(), query.shape[1] // head_size,
         key.data_ptr(), key.stride(0), key_out.data_ptr(), key.shape[1] // head_size, positions.shape[0], head_size,
-        rotary_dim, cache.data_ptr(), cache.stride(0), query.dtype == torch.bfloat16, cache.dtype == torch.bfloat16)
+        rotary_dim, cache.data_ptr(), cache.stride(0), cache.shape[0], query.dtype == torch.bfloat16,
+        cache.dtype == torch.bfloat16)
+    if status != 0:
+        raise ValueError(f"rotary positions {int(positions.min())}..{int(positions.max())} outside a cache of "
+                         f"{cache.shape[0]} positions")
     return query_out, key_out
 
 
