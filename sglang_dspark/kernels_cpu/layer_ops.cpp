@@ -30,7 +30,7 @@ inline vec16 load_lanes(lanemask mask, const uint16_t* p) {
 // x (+ residual) -> residual_out (rounded to the dtype), out = x * rsqrt(mean(x^2) + eps) * weight.
 // 16 lanes at a time: lane j sums the squares of elements j, j + 16, ... by fused multiply-adds, the
 // lanes then add up in order. A scalar loop cost ~0.9 us a row of 576 here, ~1.1 ms of a forward of
-// 16 rows (61 norms); this ~0.1 us.
+// 16 rows (61 norms); this ~0.2 us.
 template <typename T, typename W>
 void add_rmsnorm(const T* x, int64_t x_stride, const T* residual, int64_t residual_stride, const W* weight, T* out,
                  T* residual_out, int64_t rows, int64_t hidden, float eps, int threads) {
@@ -160,8 +160,6 @@ int64_t row_argmax(const T* row, int64_t cols) {
 
 // -|x| (min(x, -x) without a vector min).
 inline vec16 negative_abs(vec16 x) { return vsub(vzero(), vmax(x, vsub(vzero(), x))); }
-
-
 
 // silu(x) = x * sigmoid(x), with t = e^-|x| so that the exponent never overflows:
 // sigmoid(x) = 1 / (1 + t) for x >= 0, t / (1 + t) below.
