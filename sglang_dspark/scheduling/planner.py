@@ -703,7 +703,6 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
             self.vetoed = self.plain_step = True
             self._probing = False
             self._skips += 1
-            width = 0
             one_token = _target_seconds(self.cost_model, batch, np.array([float(batch)]), context_tokens)[0]
             decision = CapacityDecision(0, 0, float(batch), float(one_token + self.fixed_seconds))
         else:

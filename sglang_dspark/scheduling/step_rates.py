@@ -67,10 +67,13 @@ class StepRates:
             self._steps[batch_size] = (deque(maxlen=self.window), deque(maxlen=self.window))
         self._steps[batch_size][kind].append((tokens, seconds))
 
-    def _pooled(self, batch_size: int, kind: int) -> list[tuple[float, float]]:
+    def _pooled_windows(self, batch_size: int, kind: int) -> list[deque]:
         reach = batch_size // self.spread
-        return [step for size in range(max(1, batch_size - reach), batch_size + reach + 1)
-                for step in self._steps.get(size, ((), ()))[kind]]
+        return [self._steps[size][kind] for size in range(max(1, batch_size - reach), batch_size + reach + 1)
+                if size in self._steps]
+
+    def _pooled(self, batch_size: int, kind: int) -> list[tuple[float, float]]:
+        return [step for window in self._pooled_windows(batch_size, kind) for step in window]
 
     def rate(self, batch_size: int, speculated: bool) -> tuple[float | None, int]:
         """(tokens/s, samples) of this kind of step around `batch_size`; rate None without samples."""
@@ -84,15 +87,13 @@ class StepRates:
 
     def forget(self, batch_size: int, speculated: bool) -> None:
         """Drop what steps of this kind measured around `batch_size` (the sizes `rate` pools)."""
-        kind = SPECULATED if speculated else PLAIN
-        reach = batch_size // self.spread
-        for size in range(max(1, batch_size - reach), batch_size + reach + 1):
-            if size in self._steps:
-                self._steps[size][kind].clear()
+        for window in self._pooled_windows(batch_size, SPECULATED if speculated else PLAIN):
+            window.clear()
 
     def known(self, batch_size: int, speculated: bool) -> bool:
         """At least `min_samples` steps of this kind were measured around `batch_size`."""
-        return len(self._pooled(batch_size, SPECULATED if speculated else PLAIN)) >= self.min_samples
+        kind = SPECULATED if speculated else PLAIN  # (counted, not copied: asked on every decode step)
+        return sum(len(window) for window in self._pooled_windows(batch_size, kind)) >= self.min_samples
 
     def speculation_loses(self, batch_size: int) -> bool:
         """Both kinds are known around `batch_size` and speculated steps delivered more than
