@@ -260,5 +260,5 @@ def after_load_model(result, model_runner, *args, **kwargs):
             return None
         reason = huge_pages.unavailable_reason()
         logger.info("sglang-dspark: %d linears multiply small batches through weight panels "
-                    "(DSPARK_CPU_PANEL_ROWS) in %s", layers, "2 MB pages" if reason is None else f"4 KB pages ({reason})")
+                    "(DSPARK_CPU_PANEL_ROWS) in %s", layers, "2 MB pages where the kernel has them free" if reason is None else f"4 KB pages ({reason})")
     return None
