@@ -215,6 +215,66 @@ def step_summary(step_log: Path, skip: int = 0) -> dict:
         "verify_seconds_median": statistics.median(s["verify_seconds"] for s in steps),
         "step_seconds_median": statistics.median(s["measured_seconds"] for s in steps),
         "predicted_over_measured_median": statistics.median(predicted) if predicted else None,
+        "by_kind": _by_kind(steps),
+        "drafter_rounds": _drafter_rounds(steps),
+    }
+
+
+STEP_KINDS = ("drafter", "lookup", "plain")
+"""What a step verified: the drafter ran (its rows, and any lookup rows beside them); only lookup
+drafts (the drafter skipped, or drafted no row: every request had a lookup); nothing but the
+bonus tokens (a one-token step)."""
+
+
+def _kind(step: dict) -> str:
+    if step["drafted"] and step.get("block_seconds", 1.0) > 0:  # (older logs have no parts)
+        return "drafter"
+    return "lookup" if any(r.get("lookup_drafts", 0) > 0 for r in step.get("requests", ())) else "plain"
+
+
+def _by_kind(steps: list[dict]) -> dict[str, dict]:
+    """Per step kind: its share of the steps, tokens committed per step, median step seconds and
+    the worker's tokens/s over those steps (committed tokens over the steps' own seconds, the
+    scheduler's time between steps left out): which kind of step the speed-up comes from, and
+    which costs it. Steps without `committed_tokens` (older logs) give no rate."""
+    result = {}
+    for kind in STEP_KINDS:
+        ours = [s for s in steps if _kind(s) == kind]
+        if not ours:
+            continue
+        committed = [s["committed_tokens"] for s in ours if "committed_tokens" in s]
+        seconds = sum(s["measured_seconds"] for s in ours if "committed_tokens" in s)
+        result[kind] = {
+            "share": len(ours) / len(steps),
+            "committed_per_step": statistics.mean(committed) if committed else None,
+            "step_seconds_median": statistics.median(s["measured_seconds"] for s in ours),
+            "worker_tok_s": sum(committed) / seconds if committed and seconds > 0 else None,
+        }
+    return result
+
+
+def _drafter_rounds(steps: list[dict]) -> dict | None:
+    """The drafter's request rounds (not lookup rounds) of the drafting steps: drafts verified and
+    accepted per round, the share that accepted none, and per draft position the survival the
+    planner predicted (calibrated confidence) against the share of rounds that verified the
+    position and accepted it (None: never verified there)."""
+    rounds = [r for s in steps if s["drafted"] for r in s.get("requests", ())
+              if r.get("lookup_drafts", 0) == 0 and r["verify_len"] > 0]
+    if not rounds:
+        return None
+    width = max(r["verify_len"] for r in rounds)
+    predicted, measured = [], []
+    for k in range(width):
+        verified = [r for r in rounds if r["verify_len"] > k and len(r.get("survivals") or ()) > k]
+        predicted.append(round(statistics.mean(r["survivals"][k] for r in verified), 3) if verified else None)
+        measured.append(round(sum(r["accepted"] > k for r in verified) / len(verified), 3) if verified else None)
+    return {
+        "rounds": len(rounds),
+        "verified_mean": statistics.mean(r["verify_len"] for r in rounds),
+        "accepted_mean": statistics.mean(r["accepted"] for r in rounds),
+        "none_accepted_share": sum(r["accepted"] == 0 for r in rounds) / len(rounds),
+        "survival_predicted": predicted,
+        "survival_measured": measured,
     }
 
 

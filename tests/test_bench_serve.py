@@ -345,3 +345,50 @@ def test_verify_cost_compares_the_contexts_overall_and_at_the_width_both_verifie
     assert report["ratio_at_same_width"] == {"verify_tokens": 8, "ratio": pytest.approx(0.050 / 0.030)}
     assert verify_cost_summary({200: short, 2000: long[:6] + long[-2:]})["ratio_at_same_width"]["verify_tokens"] == 3
     assert verify_cost_summary({200: short[:5], 2000: long[:6]})["ratio_at_same_width"] is None
+
+
+def test_step_summary_says_which_kind_of_step_delivers_the_tokens(tmp_path):
+    """Drafter steps, lookup-only steps and one-token steps apart: their share, tokens a step and
+    the worker's tokens/s, and the drafter's rounds with the survival predicted against measured."""
+    def request(verify_len: int, accepted: int, lookup: int = 0, survivals=()) -> dict:
+        return {"temperature": 0.0, "verify_len": verify_len, "accepted": accepted, "lookup_drafts": lookup,
+                "survivals": list(survivals)}
+
+    def step(drafted: bool, measured: float, requests: list[dict], block: float = 0.0) -> dict:
+        committed = sum(r["accepted"] for r in requests) + len(requests)
+        return _step(drafted, 0.003, measured - 0.004, measured, None) | {
+            "requests": requests, "committed_tokens": committed, "block_seconds": block}
+
+    drafter = [step(True, 0.030, [request(2, 0, survivals=(0.6, 0.3))], block=0.001),
+               step(True, 0.026, [request(2, 2, survivals=(0.8, 0.5))], block=0.001),
+               step(True, 0.028, [request(1, 1, survivals=(0.7,))], block=0.001)]
+    # the step chose to draft, but its only request had a lookup: the drafter ran no row
+    lookup = [step(True, 0.025, [request(7, 3, lookup=7)])]
+    plain = [step(False, 0.020, [request(0, 0)])] * 4
+    log = tmp_path / "steps.jsonl"
+    log.write_text("".join(json.dumps(s) + "\n" for s in drafter + lookup + plain))
+    summary = step_summary(log)
+
+    kinds = summary["by_kind"]
+    assert kinds["drafter"]["share"] == pytest.approx(3 / 8)
+    assert kinds["drafter"]["committed_per_step"] == pytest.approx((1 + 3 + 2) / 3)
+    assert kinds["drafter"]["worker_tok_s"] == pytest.approx(6 / 0.084)
+    assert kinds["lookup"] == pytest.approx({"share": 1 / 8, "committed_per_step": 4, "step_seconds_median": 0.025,
+                                             "worker_tok_s": 4 / 0.025})
+    assert kinds["plain"]["worker_tok_s"] == pytest.approx(1 / 0.020)
+
+    rounds = summary["drafter_rounds"]
+    assert rounds["rounds"] == 3 and rounds["none_accepted_share"] == pytest.approx(1 / 3)
+    assert rounds["verified_mean"] == pytest.approx(5 / 3) and rounds["accepted_mean"] == pytest.approx(1.0)
+    assert rounds["survival_predicted"] == pytest.approx([0.7, 0.4])
+    assert rounds["survival_measured"] == pytest.approx([2 / 3, 0.5], abs=1e-3), "position 2: verified twice, accepted once"
+
+
+def test_step_summary_of_a_log_without_rounds_or_committed_tokens(tmp_path):
+    """Older step logs (no committed tokens, no request rounds) still summarise: no rates, no rounds."""
+    log = tmp_path / "steps.jsonl"
+    log.write_text(json.dumps(_step(False, 0.001, 0.04, 0.045, None)) + "\n")
+    summary = step_summary(log)
+    assert summary["by_kind"] == {"plain": {"share": 1.0, "committed_per_step": None, "step_seconds_median": 0.045,
+                                            "worker_tok_s": None}}
+    assert summary["drafter_rounds"] is None
