@@ -380,6 +380,52 @@ def speedups(arms: dict) -> dict:
     return report
 
 
+def _number(value, digits: int = 1, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def report_tables(report: dict) -> list:
+    """The report for a terminal (`--no-json`): one row per arm and concurrency (throughput, tau,
+    verify tokens a step, and the arm's ratio to its base, plain or the arm a variant varies:
+    median, paired, pooled), then, for the
+    DSPARK_LIVE cells, which kind of step delivered the tokens (`step_summary`'s `by_kind` and
+    `drafter_rounds`)."""
+    from rich.table import Table
+
+    throughput = Table(title="bench serve: output tokens/s (medians over waves)")
+    for column in ("arm", "concurrency", "tok/s", "pooled tok/s", "per user", "tau", "verify tok/step", "base",
+                   "ratio (paired, pooled)"):
+        throughput.add_column(column, justify="left" if column == "arm" else "right")
+    steps = Table(title="DSPARK_LIVE steps by kind: share, tokens a step, median ms, worker tok/s")
+    for column in ("arm", "concurrency", "drafter", "lookup only", "one-token", "drafter rounds"):
+        steps.add_column(column, justify="left" if column == "arm" else "right")
+    for arm, cells in report["arms"].items():
+        ratio = {"plain": None, "dspark": "speedup", "nodraft": "nodraft_speedup"}.get(arm, f"{arm}_vs_{arm_base(arm)}")
+        base = "-" if ratio is None else ("plain" if arm in ("dspark", "nodraft") else arm_base(arm))
+        for level, cell in cells.items():
+            versus = "-" if ratio is None or level not in report.get(ratio, {}) else (
+                f"{report[ratio][level]:.2f}x ({_number(report.get(ratio + '_paired', {}).get(level), 2, 'x')}, "
+                f"{_number(report.get(ratio + '_pooled', {}).get(level), 2, 'x')})")
+            throughput.add_row(arm, level, _number(cell.get("aggregate_tok_s")), _number(cell.get("pooled_tok_s")),
+                               _number(cell.get("per_user_tok_s")), _number(cell.get("tau"), 2),
+                               _number(cell.get("verify_tokens_per_step"), 2), base, versus)
+            summary = cell.get("steps") or {}
+            if summary.get("decode_steps"):
+                kinds = summary.get("by_kind", {})
+                rounds = summary.get("drafter_rounds")
+                steps.add_row(arm, level, *(_kind_cell(kinds.get(kind)) for kind in STEP_KINDS),
+                              "-" if rounds is None else (f"{rounds['accepted_mean']:.2f} of {rounds['verified_mean']:.2f} "
+                                                          f"accepted, {100 * rounds['none_accepted_share']:.0f} % none"))
+    return [throughput, steps] if steps.row_count else [throughput]
+
+
+def _kind_cell(kind: dict | None) -> str:
+    if kind is None:
+        return "-"
+    return (f"{100 * kind['share']:.0f} %, {_number(kind['committed_per_step'], 2)}, "
+            f"{1000 * kind['step_seconds_median']:.1f} ms, {_number(kind['worker_tok_s'], 0)}")
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -438,7 +484,7 @@ def bench_serve_command(
                                       help="ARM:KEY=VALUE, an environment variable for one arm's server "
                                            "(repeatable), e.g. dspark.column:DSPARK_CPU_GEMM_LAYOUT=column."),
     verify_cost_contexts: str = typer.Option("", "--verify-cost", help="e.g. 200,2000: also time the verify step."),
-    as_json: bool = typer.Option(True, "--json/--no-json", help="Print the report as JSON."),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="Print the report as JSON (--no-json: tables)."),
     plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of throughput vs concurrency."),
     out: Path = typer.Option(None, "--out", help="Also write the JSON report to this file (its folder is "
                                                  "made first, so a long run cannot end on a bad path)."),
@@ -494,7 +540,12 @@ def bench_serve_command(
     text = json.dumps(report, indent=2)
     if out is not None:
         out.write_text(text + "\n")
-    typer.echo(text if as_json else report)
+    if as_json:
+        typer.echo(text)
+    else:
+        from rich.console import Console
+
+        Console().print(*report_tables(report))
     if failed:
         typer.echo(f"error: the verify-cost measurement failed: {report['verify_cost']['error']}", err=True)
         raise typer.Exit(code=1)

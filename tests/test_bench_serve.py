@@ -392,3 +392,31 @@ def test_step_summary_of_a_log_without_rounds_or_committed_tokens(tmp_path):
     assert summary["by_kind"] == {"plain": {"share": 1.0, "committed_per_step": None, "step_seconds_median": 0.045,
                                             "worker_tok_s": None}}
     assert summary["drafter_rounds"] is None
+
+
+def test_report_tables_show_throughput_ratios_and_step_kinds_for_a_terminal():
+    """`bench serve --no-json` prints tables: each arm's rate and its ratio to its base, and where
+    DSPARK_LIVE's tokens came from; a variant arm is compared with the arm it varies."""
+    from rich.console import Console
+
+    from dspark_ctl.bench_serve import report_tables
+
+    kind = {"share": 0.7, "committed_per_step": 2.02, "step_seconds_median": 0.0255, "worker_tok_s": 79.2}
+    steps = {"decode_steps": 10, "by_kind": {"drafter": kind},
+             "drafter_rounds": {"accepted_mean": 1.02, "verified_mean": 3.26, "none_accepted_share": 0.48}}
+    report = {
+        "arms": {"plain": {"1": {"aggregate_tok_s": 48.2, "pooled_tok_s": 48.0, "per_user_tok_s": 46.8}},
+                 "dspark": {"1": {"aggregate_tok_s": 85.0, "pooled_tok_s": 81.6, "per_user_tok_s": 88.5, "tau": 2.52,
+                                  "verify_tokens_per_step": 5.43, "steps": steps}},
+                 "dspark.x": {"1": {"aggregate_tok_s": 80.0, "per_user_tok_s": 80.0, "steps": {"decode_steps": 0}}}},
+        "speedup": {"1": 1.7635}, "speedup_paired": {"1": 1.759}, "speedup_pooled": {"1": 1.7},
+        "dspark.x_vs_dspark": {"1": 0.9412},
+    }
+    console = Console(record=True, width=220)
+    console.print(*report_tables(report))
+    text = console.export_text()
+    assert "1.76x (1.76x, 1.70x)" in text
+    dspark_x = next(line for line in text.splitlines() if "dspark.x" in line)
+    assert "dspark" in dspark_x.split("dspark.x", 1)[1] and "0.94x (-, -)" in dspark_x, "a variant against its base"
+    assert "70 %, 2.02, 25.5 ms, 79" in text and "1.02 of 3.26 accepted, 48 % none" in text
+    assert text.count("dspark.x") == 1, "a cell without steps gets no step row"
