@@ -387,9 +387,39 @@ def _number(value, digits: int = 1, suffix: str = "") -> str:
 def report_tables(report: dict) -> list:
     """The report for a terminal (`--no-json`): one row per arm and concurrency (throughput, tau,
     verify tokens a step, and the arm's ratio to its base, plain or the arm a variant varies:
-    median, paired, pooled), then, for the
-    DSPARK_LIVE cells, which kind of step delivered the tokens (`step_summary`'s `by_kind` and
-    `drafter_rounds`)."""
+    median, paired, pooled); for the DSPARK_LIVE cells, which kind of step delivered the tokens
+    (`step_summary`'s `by_kind` and `drafter_rounds`); and the verify cost against context when
+    `--verify-cost` ran."""
+    from rich.table import Table
+
+    tables: list = []
+    if report["arms"]:
+        tables += _arm_tables(report)
+    if "verify_cost" in report:
+        tables.append(_verify_cost_table(report["verify_cost"]))
+    return tables
+
+
+def _verify_cost_table(cost: dict):
+    """Median verify seconds per context (`verify_cost_summary`), or the error that stopped it."""
+    from rich.table import Table
+
+    if "error" in cost:
+        return f"verify cost: not measured ({cost['error']})"
+    table = Table(title="verify step against context (batch 1)")
+    for column in ("context tokens", "verify ms (median)", "verify tokens (median)", "steps"):
+        table.add_column(column, justify="right")
+    for context, cell in cost.items():
+        if context.isdigit():
+            table.add_row(context, f"{1000 * cell['verify_seconds_median']:.1f}", _number(cell["verify_tokens_median"]),
+                          str(cell["steps"]))
+    same = cost.get("ratio_at_same_width")
+    table.caption = f"longest / shortest context: {cost['ratio_long_to_short']:.2f}x" + (
+        "" if same is None else f"; at {same['verify_tokens']} tokens a step both: {same['ratio']:.2f}x")
+    return table
+
+
+def _arm_tables(report: dict) -> list:
     from rich.table import Table
 
     throughput = Table(title="bench serve: output tokens/s (medians over waves)")

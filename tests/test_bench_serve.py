@@ -420,3 +420,25 @@ def test_report_tables_show_throughput_ratios_and_step_kinds_for_a_terminal():
     assert "dspark" in dspark_x.split("dspark.x", 1)[1] and "0.94x (-, -)" in dspark_x, "a variant against its base"
     assert "70 %, 2.02, 25.5 ms, 79" in text and "1.02 of 3.26 accepted, 48 % none" in text
     assert text.count("dspark.x") == 1, "a cell without steps gets no step row"
+
+
+def test_report_tables_show_the_verify_cost_or_why_it_is_missing():
+    from rich.console import Console
+
+    from dspark_ctl.bench_serve import report_tables, verify_cost_summary
+
+    def steps(seconds: float, tokens: int) -> list[dict]:
+        return [{"verify_tokens": tokens, "verify_seconds": seconds}] * 4
+
+    report = {"arms": {}, "verify_cost": verify_cost_summary({200: steps(0.020, 6), 2000: steps(0.025, 6)})}
+    console = Console(record=True, width=200)
+    console.print(*report_tables(report))
+    text = console.export_text()
+    assert "2000" in text and "25.0" in text and "20.0" in text
+    assert "longest / shortest context: 1.25x; at 6 tokens a step both: 1.25x" in text
+    assert "tok/s" not in text, "no arms ran: no throughput table"
+
+    failed = {"arms": {}, "verify_cost": {"error": "TimeoutError: the server did not start"}}
+    console = Console(record=True, width=200)
+    console.print(*report_tables(failed))
+    assert "verify cost: not measured (TimeoutError: the server did not start)" in console.export_text()
