@@ -242,13 +242,14 @@ def _by_kind(steps: list[dict]) -> dict[str, dict]:
         ours = [s for s in steps if _kind(s) == kind]
         if not ours:
             continue
-        committed = [s["committed_tokens"] for s in ours if "committed_tokens" in s]
-        seconds = sum(s["measured_seconds"] for s in ours if "committed_tokens" in s)
+        counted = [s for s in ours if "committed_tokens" in s]
+        committed = sum(s["committed_tokens"] for s in counted)
+        seconds = sum(s["measured_seconds"] for s in counted)
         result[kind] = {
             "share": len(ours) / len(steps),
-            "committed_per_step": statistics.mean(committed) if committed else None,
+            "committed_per_step": committed / len(counted) if counted else None,
             "step_seconds_median": statistics.median(s["measured_seconds"] for s in ours),
-            "worker_tok_s": sum(committed) / seconds if committed and seconds > 0 else None,
+            "worker_tok_s": committed / seconds if counted and seconds > 0 else None,
         }
     return result
 
@@ -430,8 +431,7 @@ def _arm_tables(report: dict) -> list:
     for column in ("arm", "concurrency", "drafter", "lookup only", "one-token", "drafter rounds"):
         steps.add_column(column, justify="left" if column == "arm" else "right")
     for arm, cells in report["arms"].items():
-        ratio = {"plain": None, "dspark": "speedup", "nodraft": "nodraft_speedup"}.get(arm, f"{arm}_vs_{arm_base(arm)}")
-        base = "-" if ratio is None else ("plain" if arm in ("dspark", "nodraft") else arm_base(arm))
+        ratio, base = _ratio_of(arm)
         for level, cell in cells.items():
             versus = "-" if ratio is None or level not in report.get(ratio, {}) else (
                 f"{report[ratio][level]:.2f}x ({_number(report.get(ratio + '_paired', {}).get(level), 2, 'x')}, "
@@ -447,6 +447,15 @@ def _arm_tables(report: dict) -> list:
                               "-" if rounds is None else (f"{rounds['accepted_mean']:.2f} of {rounds['verified_mean']:.2f} "
                                                           f"accepted, {100 * rounds['none_accepted_share']:.0f} % none"))
     return [throughput, steps] if steps.row_count else [throughput]
+
+
+def _ratio_of(arm: str) -> tuple[str | None, str]:
+    """The `speedups` entry that compares `arm` with its base, and the base (None, "-" for plain)."""
+    if arm == "plain":
+        return None, "-"
+    if arm in ("dspark", "nodraft"):
+        return ("speedup" if arm == "dspark" else "nodraft_speedup"), "plain"
+    return f"{arm}_vs_{arm_base(arm)}", arm_base(arm)
 
 
 def _kind_cell(kind: dict | None) -> str:

@@ -259,6 +259,7 @@ def after_load_model(result, model_runner, *args, **kwargs):
             logger.warning("sglang-dspark: no weight panels, small batches use the BLAS (slower): %s", error)
             return None
         reason = huge_pages.unavailable_reason()
+        pages = "2 MB pages where the kernel has them free" if reason is None else f"4 KB pages ({reason})"
         logger.info("sglang-dspark: %d linears multiply small batches through weight panels "
-                    "(DSPARK_CPU_PANEL_ROWS) in %s", layers, "2 MB pages where the kernel has them free" if reason is None else f"4 KB pages ({reason})")
+                    "(DSPARK_CPU_PANEL_ROWS) in %s", layers, pages)
     return None

@@ -3,8 +3,9 @@
 A forward of SmolLM2-135M streams its ~270 MB of weight panels from memory. In 4 KB pages that is
 ~66,000 pages a forward: a TLB miss on each, the hardware prefetchers stopping at every page
 boundary, and the TLB emptied of everything else; the Python that runs between two forwards (the
-scheduler, the drafter, the planner) ran 2-3x slower after such a forward than alone. Measured on the Zen 4 EPYC (session 46; the target's linears plus lm_head per forward, then
-the planner's decide + plan at batch 1): 4 KB pages 10.5 ms at 1 row, 12.1 at 8, 17.2 at 16, and
+scheduler, the drafter, the planner) ran 2-3x slower after such a forward than alone. Measured on
+the Zen 4 EPYC (session 46; the target's linears plus lm_head per forward, then the planner's
+decide + plan at batch 1): 4 KB pages 10.5 ms at 1 row, 12.1 at 8, 17.2 at 16, and
 the planner 1.12-1.16 ms after it; 2 MB pages 8.6, 10.4 and 15.6 ms, the planner 0.76-1.12 ms
 (0.41 ms with no forward before it).
 

@@ -184,7 +184,6 @@ def pack_panels(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     return out.copy_(packed)
 
 
-
 def pack_all_panels(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """`pack_panels` of each weight, all in one block of memory backed by 2 MB pages where Linux
     allows (`huge_pages.empty`): they are streamed from memory on every forward, and in 4 KB pages
