@@ -78,7 +78,7 @@ def replay(answer: dict, target, drafter, gamma: int) -> list[tuple[int, int]]:
         block = sample_block(drafter, drafter.forward_block(cache, slot, bonus), bonus, greedy)
         proposal = lookup.propose(output[t], gamma)
         rounds.append((accepted(block.tokens[0].tolist(), output, t + 1),
-                       accepted(proposal, output, t + 1) if len(proposal) == gamma else -1))
+                       accepted(proposal, output, t + 1) if proposal else -1))
         drafter.append_context(cache, slot, taps[len(prompt) + t: len(prompt) + t + 1], torch.tensor([1]))
         lookup.extend([output[t]])
     return rounds

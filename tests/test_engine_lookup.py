@@ -13,7 +13,8 @@ from sglang_dspark.engine.lookup import PRIOR_GREEDY, LookupSurvival, SequenceLo
 
 def _brute_force(tokens: list[int], bonus: int, width: int) -> list[int]:
     """The definition: the longest suffix (4, 3, then 2 tokens) of tokens + [bonus] that occurred
-    earlier, and what followed its latest earlier occurrence (up to the bonus itself)."""
+    earlier, and what follows if the text goes on repeating with the period between the two
+    occurrences (what followed the earlier one, continued past the bonus)."""
     context = tokens + [bonus]
     for n in (4, 3, 2):
         if len(context) <= n:
@@ -21,7 +22,11 @@ def _brute_force(tokens: list[int], bonus: int, width: int) -> list[int]:
         suffix = context[-n:]
         for start in range(len(context) - n - 1, -1, -1):
             if context[start:start + n] == suffix:
-                return context[start + n:start + n + width]
+                period = len(context) - n - start
+                extended = list(context)
+                for _ in range(width):
+                    extended.append(extended[-period])
+                return extended[len(context):]
     return []
 
 
@@ -45,11 +50,18 @@ def test_a_repeated_phrase_proposes_its_continuation_and_new_text_proposes_nothi
     assert lookup.propose(12, 3) == [13, 14, 15]
 
 
+def test_a_run_of_one_token_or_a_short_cycle_fills_the_block_by_repeating():
+    """A run's latest occurrence always ends at the text's end, so without repeating the period a
+    request stuck on one token ("\n\n\n...", a biased sampler) never proposed a draft."""
+    assert SequenceLookup([5, 7, 7]).propose(7, 4) == [7, 7, 7, 7]
+    assert SequenceLookup([1, 8, 9, 8]).propose(9, 5) == [8, 9, 8, 9, 8]
+
+
 def test_slots_propose_only_when_in_step_with_the_request_and_eligible():
     lookups = SlotLookups()
     lookups.reset(3, [1, 2, 3, 1, 2])
     assert lookups.propose([3], [3], [5], [True], 3) == [[1, 2, 3]]  # "2 3" continued with "1 2", then the bonus
-    assert lookups.propose([3], [3], [5], [True], 4) == [[]], "a match that cannot fill the block proposes nothing"
+    assert lookups.propose([3], [3], [5], [True], 5) == [[1, 2, 3, 1, 2]], "a short period repeats to fill the block"
     assert lookups.propose([3], [3], [6], [True], 3) == [[]], "a slot whose length disagrees with the request's cannot propose"
     assert lookups.propose([3], [3], [5], [False], 3) == [[]]
     assert lookups.propose([7], [3], [5], [True], 3) == [[]], "an unknown slot proposes nothing"
