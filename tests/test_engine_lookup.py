@@ -60,13 +60,15 @@ def test_a_run_of_one_token_or_a_short_cycle_fills_the_block_by_repeating():
 def test_slots_propose_only_when_in_step_with_the_request_and_eligible():
     lookups = SlotLookups()
     lookups.reset(3, [1, 2, 3, 1, 2])
-    assert lookups.propose([3], [3], [5], [True], 3) == [[1, 2, 3]]  # "2 3" continued with "1 2", then the bonus
-    assert lookups.propose([3], [3], [5], [True], 5) == [[1, 2, 3, 1, 2]], "a short period repeats to fill the block"
-    assert lookups.propose([3], [3], [6], [True], 3) == [[]], "a slot whose length disagrees with the request's cannot propose"
-    assert lookups.propose([3], [3], [5], [False], 3) == [[]]
-    assert lookups.propose([7], [3], [5], [True], 3) == [[]], "an unknown slot proposes nothing"
+    # "2 3" continued with "1 2", then the bonus; the match is the 3 tokens "1 2 3"
+    assert lookups.propose([3], [3], [5], [True], 3) == [([1, 2, 3], 3)]
+    assert lookups.propose([3], [3], [5], [True], 5) == [([1, 2, 3, 1, 2], 3)], "a short period repeats to fill the block"
+    none = [([], 0)]
+    assert lookups.propose([3], [3], [6], [True], 3) == none, "a slot whose length disagrees with the request's cannot propose"
+    assert lookups.propose([3], [3], [5], [False], 3) == none
+    assert lookups.propose([7], [3], [5], [True], 3) == none, "an unknown slot proposes nothing"
     lookups.commit(3, [3, 1])
-    assert lookups.synced(3, 7) and lookups.propose([3], [2], [7], [True], 2) == [[3, 1]]
+    assert lookups.synced(3, 7) and lookups.propose([3], [2], [7], [True], 2) == [([3, 1], 4)]  # "2 3 1 2"
 
 
 def test_a_request_whose_lookups_keep_failing_stops_proposing_them_for_a_growing_quiet_spell():
@@ -87,7 +89,7 @@ def test_a_request_whose_lookups_keep_failing_stops_proposing_them_for_a_growing
         return text[committed(slot) % 3]
 
     def proposes(slot: int) -> bool:
-        return lookups.propose([slot], [bonus(slot)], [committed(slot)], [True], 2) != [[]]
+        return lookups.propose([slot], [bonus(slot)], [committed(slot)], [True], 2) != [([], 0)]
 
     def step(slot: int) -> None:
         lookups.commit(slot, [bonus(slot)])  # a step that accepts no draft commits its bonus alone
@@ -118,28 +120,44 @@ def test_a_request_whose_lookups_keep_failing_stops_proposing_them_for_a_growing
 
 
 def test_lookup_survivals_start_at_the_prior_and_learn_from_served_rounds():
-    survival = LookupSurvival(gamma=7)
-    prior = torch.cumprod(torch.tensor(PRIOR_GREEDY, dtype=torch.float64), 0).float()
+    survival = LookupSurvival(7, PRIOR_GREEDY[4])
+    prior = torch.cumprod(torch.tensor(PRIOR_GREEDY[4], dtype=torch.float64), 0).float()
     assert torch.allclose(survival.survivals(), prior)
     for _ in range(200):  # every round verified 7 and all were rejected at position 1
         survival.add(torch.tensor([7, 7]), torch.tensor([0, 0]))
     assert survival.survivals()[0] < 0.1
-    survival = LookupSurvival(gamma=7)
+    survival = LookupSurvival(7, PRIOR_GREEDY[4])
     for _ in range(200):  # position 3 always rejected: positions 4-7 never tested, so they keep their prior
         survival.add(torch.tensor([7]), torch.tensor([2]))
     conditional = survival.survivals()[1:] / survival.survivals()[:-1]
     assert survival.survivals()[1] > prior[1] and conditional[1] < 0.15  # 32 prior rounds against 200
-    assert torch.allclose(conditional[3:], torch.tensor(PRIOR_GREEDY[4:]), atol=1e-6)
+    assert torch.allclose(conditional[3:], torch.tensor(PRIOR_GREEDY[4][4:]), atol=1e-6)
 
 
 def test_the_planner_verifies_lookup_rows_on_their_own_survivals_and_never_past_their_drafts(tmp_path, monkeypatch):
     planner = _production_planner(tmp_path, monkeypatch)
     rids, context = ["a", "b", "c"], torch.tensor([100, 100, 100])
     hopeless = torch.full((3, 7), -8.0)  # the drafter's head expects nothing to survive
-    plan = planner.plan(rids, hopeless, context, lookup_lens=torch.tensor([7, 2, 0]))
+    plan = planner.plan(rids, hopeless, context, lookup_lens=torch.tensor([7, 2, 0]),
+                        lookup_matches=torch.tensor([4, 3, 0]))
     lens = plan.verify_lens.tolist()
     assert lens[0] > 0 and 0 < lens[1] <= 2 and lens[2] == 0, lens
     assert plan.survivals[1, 2:].abs().sum() == 0, "no survival past a row's lookup drafts"
+
+
+def test_a_longer_match_is_trusted_further(tmp_path, monkeypatch):
+    """A 4-token match's drafts survived far more often than a 2-token one's on SmolLM2's answers:
+    the planner values them by their own match length's survivals, and verifies more of them at a
+    batch where a verified row costs."""
+    planner = _production_planner(tmp_path, monkeypatch)
+    rids, context = [f"r{i}" for i in range(16)], torch.full((16,), 300)
+    matches = torch.tensor([4] * 8 + [2] * 8)
+    plan = planner.plan(rids, torch.full((16, 7), -8.0), context, greedy=torch.ones(16, dtype=torch.bool),
+                        lookup_lens=torch.full((16,), 7), lookup_matches=matches)
+    assert bool((plan.survivals[:8, 0] > plan.survivals[8:, 0] + 0.2).all())
+    assert plan.verify_lens[:8].sum() > plan.verify_lens[8:].sum(), plan.verify_lens.tolist()
+    with pytest.raises(ValueError, match="come together"):
+        planner.plan(rids, torch.zeros((16, 7)), context, lookup_lens=torch.full((16,), 7))
 
 
 def test_the_planner_never_verifies_past_a_draft_the_grammar_refuses(tmp_path, monkeypatch):
@@ -156,12 +174,16 @@ def test_the_planner_never_verifies_past_a_draft_the_grammar_refuses(tmp_path, m
 def test_lookup_rounds_teach_the_lookup_survivals_and_stay_out_of_the_calibration(tmp_path, monkeypatch):
     planner = _production_planner(tmp_path, monkeypatch)
     rids, context = ["a", "b"], torch.tensor([100, 100])
-    plan = planner.plan(rids, torch.zeros((2, 7)), context, lookup_lens=torch.tensor([7, 0]))
-    before = planner.lookup_survival["greedy"].survivals()
-    sampled_before = planner.lookup_survival["sampled"].survivals()
+    plan = planner.plan(rids, torch.zeros((2, 7)), context, lookup_lens=torch.tensor([7, 0]),
+                        lookup_matches=torch.tensor([3, 0]))
+    before = {kind: {n: survival.survivals() for n, survival in by_match.items()}
+              for kind, by_match in planner.lookup_survival.items()}
     planner.observe_rounds(plan, torch.tensor([0, 3]), greedy=torch.tensor([True, True]))
-    assert planner.lookup_survival["greedy"].survivals()[0] < before[0], "the lookup row's rejection at 1 was learnt"
-    assert torch.equal(planner.lookup_survival["sampled"].survivals(), sampled_before), "a greedy round taught sampling"
+    assert planner.lookup_survival["greedy"][3].survivals()[0] < before["greedy"][3][0], \
+        "the lookup row's rejection at 1 was learnt"
+    untouched = [(kind, n) for kind, by_match in planner.lookup_survival.items() for n, survival in by_match.items()
+                 if torch.equal(survival.survivals(), before[kind][n])]
+    assert len(untouched) == 5, "only the greedy 3-token matches learnt (not sampling, not other match lengths)"
     logits, verify_lens, accepted, greedy = planner._pending_rounds[-1]
     assert logits.shape[0] == 1 and accepted.tolist() == [3], "only the drafter's round waits for the calibration"
 
@@ -196,12 +218,13 @@ def test_sampled_lookup_rounds_teach_the_sampled_survivals_which_then_value_samp
     planner = _production_planner(tmp_path, monkeypatch)
     rids, context, greedy = ["a", "b"], torch.tensor([100, 100]), torch.tensor([True, False])
     for _ in range(200):  # sampled lookup drafts are rejected at once; greedy ones are not served
-        plan = planner.plan(rids, torch.zeros((2, 7)), context, greedy=greedy, lookup_lens=torch.tensor([0, 7]))
+        plan = planner.plan(rids, torch.zeros((2, 7)), context, greedy=greedy, lookup_lens=torch.tensor([0, 7]),
+                            lookup_matches=torch.tensor([0, 4]))
         planner.observe_rounds(plan, torch.tensor([0, 0]), greedy=greedy)
-    assert planner.lookup_survival["sampled"].survivals()[0] < 0.2
-    assert planner.lookup_survival["greedy"].survivals()[0] == pytest.approx(PRIOR_GREEDY[0])
+    assert planner.lookup_survival["sampled"][4].survivals()[0] < 0.2
+    assert planner.lookup_survival["greedy"][4].survivals()[0] == pytest.approx(PRIOR_GREEDY[4][0])
     plan = planner.plan(["a", "b"], torch.zeros((2, 7)), context, greedy=torch.tensor([True, False]),
-                        lookup_lens=torch.tensor([7, 7]))
+                        lookup_lens=torch.tensor([7, 7]), lookup_matches=torch.tensor([4, 4]))
     assert plan.survivals[0, 0] > plan.survivals[1, 0], "each lookup row takes its own class's survivals"
 
 
@@ -230,10 +253,12 @@ def test_sampled_requests_draft_from_their_text_only_inside_the_draft_vocabulary
                             top_k=torch.zeros(3, dtype=torch.long))
     bonus = torch.tensor([text[-1] for text in texts])
     committed = torch.tensor([len(text) - 1 for text in texts])
-    proposals, lookup_lens = worker._lookup_proposals(torch.arange(3), bonus, committed, params, width=4)
+    proposals, lookup_lens, lookup_matches = worker._lookup_proposals(torch.arange(3), bonus, committed, params,
+                                                                      width=4)
     assert lookup_lens[0] == 4, "a greedy request drafts from its text in both modes"
     assert lookup_lens[1] == (4 if mode == "on" else 0)
     assert lookup_lens[2] == 0, "a point mass outside the draft vocabulary cannot be a draft distribution"
+    assert lookup_matches.tolist() == [4, 4 if mode == "on" else 0, 0], "a match length wherever drafts were kept"
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["torch-rows", "kernel-rows"])
@@ -276,16 +301,17 @@ def test_a_step_that_skips_the_drafter_still_verifies_its_lookup_rows_and_teache
     recorded = []
     monkeypatch.setattr(planner.capacity_planner, "record_step", lambda *args: recorded.append(args))
     skip = StepDecision(draft_width=0, capacity=0)
-    plan = planner.plan(rids, torch.zeros((3, 7)), context, skip, greedy=greedy, lookup_lens=torch.tensor([0, 7, 0]))
+    plan = planner.plan(rids, torch.zeros((3, 7)), context, skip, greedy=greedy, lookup_lens=torch.tensor([0, 7, 0]),
+                        lookup_matches=torch.tensor([0, 2, 0]))
     lens = plan.verify_lens.tolist()
     assert lens[0] == 0 and lens[2] == 0 and lens[1] > 0, "only the lookup row verifies: no drafter ran"
     assert plan.confidence_logits is None and plan.survivals[[0, 2]].abs().sum() == 0
     assert len(planner.capacity_planner._history) == published, "no drafter survivals to publish"
-    before = planner.lookup_survival["greedy"].survivals()
+    before = planner.lookup_survival["greedy"][2].survivals()
     planner.observe(plan, rids, target_seconds=0.05, step_seconds=0.05, committed_tokens=5, drafted=False)
     planner.observe_rounds(plan, torch.tensor([0, 0, 0]), greedy=greedy)
     assert recorded == [(rids, True, 5, 0.05)], "a lookup-only step speculated: the check weighs it against plain steps"
-    assert planner.lookup_survival["greedy"].survivals()[0] < before[0]
+    assert planner.lookup_survival["greedy"][2].survivals()[0] < before[0]
     assert planner._pending_rounds == [], "no drafter round waits for the calibration"
 
 
@@ -302,7 +328,7 @@ def test_lookup_rows_verify_past_a_narrow_drafter_width_and_the_drafters_rows_ne
     assert not planner.verifies_lookups_on_skipped_steps, "fixed:0 and friends skip because they were told to"
     rids, context = ["a", "b"], torch.tensor([100, 100])
     plan = planner.plan(rids, torch.zeros((2, 7)), context, StepDecision(draft_width=3, capacity=None),
-                        lookup_lens=torch.tensor([0, 7]))
+                        lookup_lens=torch.tensor([0, 7]), lookup_matches=torch.tensor([0, 4]))
     assert plan.verify_lens.tolist() == [3, 7]
 
 

@@ -158,6 +158,8 @@ def test_a_drafter_not_worth_its_cost_is_skipped_and_output_stays_exact(servers,
     drafted = [step for step in steps if step["drafted"]]
     assert len(skipped) > len(drafted), f"{len(skipped)} skipped vs {len(drafted)} drafted steps"
     assert drafted, "the planner never probed the drafter again"
+    for request in (request for step in steps for request in step["requests"]):  # lookup rows say their match
+        assert (request["lookup_match"] in (2, 3, 4)) == (request["lookup_drafts"] > 0), request
     for step in skipped:  # the drafter skipped: only requests with lookup drafts verify any
         assert all(request["verify_len"] == 0 for request in step["requests"] if request["lookup_drafts"] == 0), step
         assert step["verify_tokens"] == step["batch_size"] + sum(request["verify_len"] for request in step["requests"])

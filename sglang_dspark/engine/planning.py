@@ -41,7 +41,7 @@ import torch
 
 from sglang_dspark.calibration.served_offsets import ServedOffsets
 from sglang_dspark.engine.live_calibration import KINDS, LiveRecalibrator
-from sglang_dspark.engine.lookup import PRIOR_GREEDY, PRIOR_SAMPLED, LookupSurvival
+from sglang_dspark.engine.lookup import MAX_MATCH, MIN_MATCH, PRIOR_GREEDY, PRIOR_SAMPLED, LookupSurvival
 from sglang_dspark.engine.settings import LiveSettings
 
 if TYPE_CHECKING:
@@ -187,6 +187,7 @@ class Plan:
     survivals: torch.Tensor | None
     step_shape: StepShape | None = None  # what was predicted (production planner only)
     lookup_lens: torch.Tensor | None = None  # [B] lookup drafts in place of the drafter's (0: none)
+    lookup_matches: torch.Tensor | None = None  # [B] length of the match that proposed them (0: none)
 
 
 class VerifyPlanner:
@@ -203,8 +204,9 @@ class VerifyPlanner:
         self.recalibrator = None
         self.served_offsets: dict[str, ServedOffsets] | None = None  # per temperature class
         self._pending_rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.lookup_survival = {"greedy": LookupSurvival(self.gamma, PRIOR_GREEDY),  # per temperature class
-                                "sampled": LookupSurvival(self.gamma, PRIOR_SAMPLED)}
+        self.lookup_survival = {  # per temperature class and match length
+            "greedy": {n: LookupSurvival(self.gamma, PRIOR_GREEDY[n]) for n in range(MIN_MATCH, MAX_MATCH + 1)},
+            "sampled": {n: LookupSurvival(self.gamma, PRIOR_SAMPLED) for n in range(MIN_MATCH, MAX_MATCH + 1)}}
         if settings.planner == "production":
             from sglang_dspark.scheduling.cost_model import load_cost_model
             from sglang_dspark.scheduling.planner import EarlyStopPlanner
@@ -275,7 +277,8 @@ class VerifyPlanner:
 
     def plan(self, request_ids: list, confidence_logits: torch.Tensor | None, context_lens: torch.Tensor,
              decision: StepDecision | None = None, greedy: torch.Tensor | None = None,
-             lookup_lens: torch.Tensor | None = None, grammar_lens: torch.Tensor | None = None) -> Plan:
+             lookup_lens: torch.Tensor | None = None, grammar_lens: torch.Tensor | None = None,
+             lookup_matches: torch.Tensor | None = None) -> Plan:
         """Verify lengths for this step, given the drafts' confidence logits [B, w] (w <= gamma:
         the drafter ran only the decision's draft width; lookup rows may hold up to gamma drafts,
         and a production step that skipped the drafter may still verify its lookup rows').
@@ -284,11 +287,14 @@ class VerifyPlanner:
         `all` and `fixed` can plan without survivals, and `load_settings` refuses `production` for
         such a drafter at launch. `decision` is this step's `decide` (made here when not given);
         `greedy` [B] marks the greedy requests (their own calibration); `lookup_lens` [B] counts the
-        lookup drafts (`engine.lookup`) that replaced a request's block (0: none): those rows take
-        their temperature class's lookup survivals, and never verify past their lookup drafts, as
+        lookup drafts (`engine.lookup`) that replaced a request's block (0: none), `lookup_matches` [B]
+        the length of the match that proposed them: those rows take their temperature class's lookup
+        survivals for that match length, and never verify past their lookup drafts, as
         the drafter's rows never verify past the decision's width. `grammar_lens` [B] caps the drafts
         of constrained requests where their grammar refuses one (`engine.grammar.guide_drafts`)."""
         batch = len(request_ids)
+        if (lookup_lens is None) != (lookup_matches is None):
+            raise ValueError("lookup_lens and lookup_matches come together: the drafts and the match that proposed them")
         decision = decision or self.decide(request_ids, context_lens)
         if confidence_logits is None:
             if self.settings.planner == "production":
@@ -296,7 +302,7 @@ class VerifyPlanner:
             verify_lens = torch.minimum(torch.full((batch,), self._next_static_drafts(), dtype=torch.long),
                                         _draft_limits(batch, decision.draft_width, lookup_lens, grammar_lens))
             return Plan(verify_lens=verify_lens, capacity=None, predicted_seconds=None, confidence_logits=None,
-                        survivals=None, lookup_lens=lookup_lens)
+                        survivals=None, lookup_lens=lookup_lens, lookup_matches=lookup_matches)
         confidence_logits = confidence_logits[:, : self.gamma].float().cpu()
         width = confidence_logits.shape[1]
         drafted_width = min(width, decision.draft_width)  # the drafter's rows hold this many drafts
@@ -306,12 +312,13 @@ class VerifyPlanner:
         padded = torch.nn.functional.pad(confidence_logits, (0, self.gamma - width))
         survivals = self.survivals(padded, greedy)
         if lookup_lens is not None:
-            survivals = self._with_lookup_survivals(survivals, lookup_lens, greedy)
+            survivals = self._with_lookup_survivals(survivals, lookup_lens, lookup_matches, greedy)
         survivals = survivals * (torch.arange(1, self.gamma + 1)[None, :] <= limits[:, None])  # no draft, no survival
         if self.settings.planner != "production":
             verify_lens = torch.minimum(torch.full((batch,), self._next_static_drafts(), dtype=torch.long), limits)
             return Plan(verify_lens=verify_lens, capacity=None, predicted_seconds=None,
-                        confidence_logits=confidence_logits, survivals=survivals[:, :width], lookup_lens=lookup_lens)
+                        confidence_logits=confidence_logits, survivals=survivals[:, :width], lookup_lens=lookup_lens,
+                        lookup_matches=lookup_matches)
         if bool((limits > 0).any()):
             verify_lens = self.capacity_planner.verify_lens(survivals, limits, float(context_lens.sum()))
         elif grammar_lens is not None:  # every request's grammar refused its first draft
@@ -323,7 +330,8 @@ class VerifyPlanner:
         shape = self._shape(batch, int(verify_lens.sum()), context_lens)
         return Plan(verify_lens=verify_lens, capacity=decision.capacity, predicted_seconds=self._predict(shape),
                     confidence_logits=confidence_logits[:, :width] if decision.draft else None,
-                    survivals=survivals[:, :width], step_shape=shape, lookup_lens=lookup_lens)
+                    survivals=survivals[:, :width], step_shape=shape, lookup_lens=lookup_lens,
+                    lookup_matches=lookup_matches)
 
     @property
     def verifies_lookups_on_skipped_steps(self) -> bool:
@@ -332,20 +340,31 @@ class VerifyPlanner:
         because they were told to: `fixed:0` is the one-token baseline)."""
         return self.settings.planner == "production"
 
-    def _with_lookup_survivals(self, survivals: torch.Tensor, lookup_lens: torch.Tensor,
+    def _with_lookup_survivals(self, survivals: torch.Tensor, lookup_lens: torch.Tensor, lookup_matches: torch.Tensor,
                                greedy: torch.Tensor | None) -> torch.Tensor:
-        """Rows with lookup drafts take their class's served lookup survivals, zero past their drafts."""
+        """Rows with lookup drafts take their class's served lookup survivals for their match
+        length, zero past their drafts."""
         if not bool((lookup_lens > 0).any()):
             return survivals
         survivals = survivals.clone()
         greedy = torch.zeros(len(lookup_lens), dtype=torch.bool) if greedy is None else greedy.bool().cpu()
         positions = torch.arange(1, self.gamma + 1)
-        for kind, in_class in (("greedy", greedy), ("sampled", ~greedy)):
-            rows = (lookup_lens > 0) & in_class
-            if bool(rows.any()):
-                lookup = self.lookup_survival[kind].survivals()[None, :] * (positions[None, :] <= lookup_lens[rows, None])
-                survivals[rows] = lookup.to(survivals.dtype)
+        for (kind, n), rows in self._lookup_groups(lookup_lens, lookup_matches, greedy):
+            lookup = self.lookup_survival[kind][n].survivals()[None, :] * (positions[None, :] <= lookup_lens[rows, None])
+            survivals[rows] = lookup.to(survivals.dtype)
         return survivals
+
+    @staticmethod
+    def _lookup_groups(lookup_lens: torch.Tensor, lookup_matches: torch.Tensor,
+                       greedy: torch.Tensor) -> list[tuple[tuple[str, int], torch.Tensor]]:
+        """((temperature class, match length), rows [B] bool) of each group of lookup rows present."""
+        groups = []
+        for kind, in_class in (("greedy", greedy), ("sampled", ~greedy)):
+            for n in range(MIN_MATCH, MAX_MATCH + 1):
+                rows = (lookup_lens > 0) & in_class & (lookup_matches == n)
+                if bool(rows.any()):
+                    groups.append(((kind, n), rows))
+        return groups
 
     def skipped(self, request_ids: list, context_lens: torch.Tensor) -> Plan:
         """The plan of a step that did not draft: every request verifies only its bonus token."""
@@ -384,9 +403,8 @@ class VerifyPlanner:
         verify_lens, num_accepted, greedy = plan.verify_lens, num_accepted.cpu(), greedy.bool().cpu()
         if plan.lookup_lens is not None:  # lookup rounds teach the lookup survivals, not the calibration
             lookup = plan.lookup_lens > 0
-            for kind, rows in (("greedy", lookup & greedy), ("sampled", lookup & ~greedy)):
-                if bool(rows.any()):
-                    self.lookup_survival[kind].add(verify_lens[rows], num_accepted[rows])
+            for (kind, n), rows in self._lookup_groups(plan.lookup_lens, plan.lookup_matches, greedy):
+                self.lookup_survival[kind][n].add(verify_lens[rows], num_accepted[rows])
         if plan.confidence_logits is None:  # no drafter rows (or no head to calibrate)
             return
         logits = plan.confidence_logits

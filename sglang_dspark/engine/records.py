@@ -27,6 +27,7 @@ class RequestStep:
     confidence_logits: list[float]
     survivals: list[float]
     lookup_drafts: int = 0  # drafts taken from the request's own earlier text (`engine.lookup`), not the drafter
+    lookup_match: int = 0  # the length of the match that proposed them (2-4; 0: none)
 
 
 @dataclass(frozen=True)

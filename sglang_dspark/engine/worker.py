@@ -296,10 +296,11 @@ class DSparkLiveWorker(BaseSpecWorker):
         decision = self.planner.decide(rids, seq_lens)
         times.decide, clock = _lap(clock)
         caught_up = 0
-        proposals, lookup_lens = [], None
+        proposals, lookup_lens, lookup_matches = [], None, None
         if decision.lookups and (decision.draft or self.planner.verifies_lookups_on_skipped_steps):
             # lookups cost no drafting, so they span the whole block whatever width the drafter runs at
-            proposals, lookup_lens = self._lookup_proposals(slots, bonus, seq_lens, params, self.settings.gamma)
+            proposals, lookup_lens, lookup_matches = self._lookup_proposals(slots, bonus, seq_lens, params,
+                                                                            self.settings.gamma)
             lookup_seconds, clock = _lap(clock)
             times.decide += lookup_seconds
         has_lookups = lookup_lens is not None and bool((lookup_lens > 0).any())
@@ -327,7 +328,8 @@ class DSparkLiveWorker(BaseSpecWorker):
             grammar_lens = guide_drafts(draft, batch.reqs, params.greedy, self.vocab_size, self._draft_columns) \
                 if batch.has_grammar else None
             plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision, greedy=params.greedy,
-                                     lookup_lens=lookup_lens if has_lookups else None, grammar_lens=grammar_lens)
+                                     lookup_lens=lookup_lens if has_lookups else None, grammar_lens=grammar_lens,
+                                     lookup_matches=lookup_matches if has_lookups else None)
             times.plan, _ = _lap(clock)
             drafts = draft.tokens
         else:  # drafts would cost more than they return: this step is a plain decode step
@@ -444,20 +446,23 @@ class DSparkLiveWorker(BaseSpecWorker):
         return slot_logits
 
     def _lookup_proposals(self, slots: torch.Tensor, bonus: torch.Tensor, seq_lens: torch.Tensor,
-                          params: SamplingParams, width: int) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Each eligible request's lookup drafts (`engine.lookup`; `[]`: none) and their counts
-        [B] (None: lookups off, or no eligible request). A sampled request's lookup is a point
-        mass on each draft, which the draft distribution can hold only inside the draft
-        vocabulary: one that leaves it is not proposed."""
+                          params: SamplingParams, width: int
+                          ) -> tuple[list[list[int]], torch.Tensor | None, torch.Tensor | None]:
+        """Each eligible request's lookup drafts (`engine.lookup`; `[]`: none), their counts [B]
+        and the lengths of the matches that proposed them [B] (None, None: lookups off, or no
+        eligible request). A sampled request's lookup is a point mass on each draft, which the
+        draft distribution can hold only inside the draft vocabulary: one that leaves it is not
+        proposed."""
         sampled_too = self.settings.lookup == "on"
         if self.lookups is None or not (sampled_too or bool(params.greedy.any())):
-            return [], None
+            return [], None, None
         greedy = params.greedy.tolist()
         eligible = [True] * len(greedy) if sampled_too else greedy
-        proposals = self.lookups.propose(slots.tolist(), bonus.tolist(), seq_lens.tolist(), eligible, width)
-        proposals = [tokens if is_greedy or not tokens or bool((self._draft_columns(tokens) >= 0).all()) else []
-                     for tokens, is_greedy in zip(proposals, greedy)]
-        return proposals, torch.tensor([len(tokens) for tokens in proposals], dtype=torch.long)
+        found = self.lookups.propose(slots.tolist(), bonus.tolist(), seq_lens.tolist(), eligible, width)
+        found = [(tokens, match) if is_greedy or not tokens or bool((self._draft_columns(tokens) >= 0).all())
+                 else ([], 0) for (tokens, match), is_greedy in zip(found, greedy)]
+        return ([tokens for tokens, _ in found], torch.tensor([len(tokens) for tokens, _ in found], dtype=torch.long),
+                torch.tensor([match for _, match in found], dtype=torch.long))
 
     @cached_property
     def _d2t_cpu(self) -> torch.Tensor | None:
@@ -586,10 +591,12 @@ class DSparkLiveWorker(BaseSpecWorker):
         verify_lens = plan.verify_lens.tolist()
         accepted = num_accepted.tolist()
         lookup_drafts = [0] * len(rids) if plan.lookup_lens is None else plan.lookup_lens.tolist()
+        lookup_matches = [0] * len(rids) if plan.lookup_matches is None else plan.lookup_matches.tolist()
         requests = [
             RequestStep(rid=str(rid), slot=int(slot), context_len=int(length), verify_len=verify_lens[b],
                         accepted=accepted[b], temperature=float(params.temperature[b]),
-                        confidence_logits=confidences[b], survivals=survivals[b], lookup_drafts=lookup_drafts[b])
+                        confidence_logits=confidences[b], survivals=survivals[b], lookup_drafts=lookup_drafts[b],
+                        lookup_match=lookup_matches[b])
             for b, (rid, slot, length) in enumerate(zip(rids, slots.tolist(), seq_lens.tolist()))
         ]
         self.recorder.add(StepRecord(
