@@ -62,9 +62,9 @@ def test_slots_propose_only_when_in_step_with_the_request_and_eligible():
     lookups.reset(3, [1, 2, 3, 1, 2])
     # "2 3" continued with "1 2", then the bonus; the match is the 3 tokens "1 2 3"
     assert lookups.propose([3], [3], [5], [True], 3) == [([1, 2, 3], 3)]
-    assert lookups.propose([3], [3], [5], [True], 5) == [([1, 2, 3, 1, 2], 3)], "a short period repeats to fill the block"
+    assert lookups.propose([3], [3], [5], [True], 5) == [([1, 2, 3, 1, 2], 3)], "a short period repeats"
     none = [([], 0)]
-    assert lookups.propose([3], [3], [6], [True], 3) == none, "a slot whose length disagrees with the request's cannot propose"
+    assert lookups.propose([3], [3], [6], [True], 3) == none, "a slot out of step with its request cannot propose"
     assert lookups.propose([3], [3], [5], [False], 3) == none
     assert lookups.propose([7], [3], [5], [True], 3) == none, "an unknown slot proposes nothing"
     lookups.commit(3, [3, 1])

@@ -294,7 +294,8 @@ class VerifyPlanner:
         of constrained requests where their grammar refuses one (`engine.grammar.guide_drafts`)."""
         batch = len(request_ids)
         if (lookup_lens is None) != (lookup_matches is None):
-            raise ValueError("lookup_lens and lookup_matches come together: the drafts and the match that proposed them")
+            raise ValueError("lookup_lens and lookup_matches come together: the drafts and the match that "
+                             "proposed them")
         decision = decision or self.decide(request_ids, context_lens)
         if confidence_logits is None:
             if self.settings.planner == "production":
@@ -350,8 +351,8 @@ class VerifyPlanner:
         greedy = torch.zeros(len(lookup_lens), dtype=torch.bool) if greedy is None else greedy.bool().cpu()
         positions = torch.arange(1, self.gamma + 1)
         for (kind, n), rows in self._lookup_groups(lookup_lens, lookup_matches, greedy):
-            lookup = self.lookup_survival[kind][n].survivals()[None, :] * (positions[None, :] <= lookup_lens[rows, None])
-            survivals[rows] = lookup.to(survivals.dtype)
+            within = positions[None, :] <= lookup_lens[rows, None]
+            survivals[rows] = (self.lookup_survival[kind][n].survivals()[None, :] * within).to(survivals.dtype)
         return survivals
 
     @staticmethod
