@@ -145,14 +145,15 @@ def test_the_planner_verifies_lookup_rows_on_their_own_survivals_and_never_past_
     assert plan.survivals[1, 2:].abs().sum() == 0, "no survival past a row's lookup drafts"
 
 
-def test_a_longer_match_is_trusted_further(tmp_path, monkeypatch):
-    """A 4-token match's drafts survived far more often than a 2-token one's on SmolLM2's answers:
-    the planner values them by their own match length's survivals, and verifies more of them at a
-    batch where a verified row costs."""
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_a_longer_match_is_trusted_further(tmp_path, monkeypatch, greedy):
+    """A 4-token match's drafts survived far more often than a 2-token one's on SmolLM2's answers,
+    greedy and sampled: the planner values them by their own match length's survivals, and verifies
+    more of them at a batch where a verified row costs."""
     planner = _production_planner(tmp_path, monkeypatch)
     rids, context = [f"r{i}" for i in range(16)], torch.full((16,), 300)
     matches = torch.tensor([4] * 8 + [2] * 8)
-    plan = planner.plan(rids, torch.full((16, 7), -8.0), context, greedy=torch.ones(16, dtype=torch.bool),
+    plan = planner.plan(rids, torch.full((16, 7), -8.0), context, greedy=torch.full((16,), greedy),
                         lookup_lens=torch.full((16,), 7), lookup_matches=matches)
     assert bool((plan.survivals[:8, 0] > plan.survivals[8:, 0] + 0.2).all())
     assert plan.verify_lens[:8].sum() > plan.verify_lens[8:].sum(), plan.verify_lens.tolist()

@@ -38,9 +38,16 @@ PRIOR_GREEDY = {
 the length of the match that proposed them (session 48: 180 eval answers, 8,362 lookup rounds, 1,750
 of 2 tokens, 1,082 of 3, 5,530 of 4): a 4-token match is right first 84 % of the time, a 2-token
 one 51 %, no better than the drafter's first draft."""
-PRIOR_SAMPLED = (0.49, 0.63, 0.79, 0.76, 0.88, 0.91, 0.88)
+PRIOR_SAMPLED = {
+    2: (0.38, 0.65, 0.79, 0.76, 0.88, 0.91, 0.88),
+    3: (0.63, 0.65, 0.79, 0.76, 0.88, 0.91, 0.88),
+    4: (0.68, 0.78, 0.86, 0.76, 0.88, 0.91, 0.88),
+}
 """The same for sampled requests at temperature 1 (each draft accepted with the target's probability
-of it), served lookup rounds on eval prompts (session 28, `bench serve --temperature 1.0`)."""
+of it): served lookup rounds on the eval prompts at concurrency 4 and 16 (session 48: 345, 151 and 206
+rounds of 2-, 3- and 4-token matches) where at least 50 rounds tested a position, elsewhere the
+served rounds of all lengths together (session 28, `bench serve --temperature 1.0`), which the
+planner verified too rarely that deep to split."""
 
 
 class SequenceLookup:

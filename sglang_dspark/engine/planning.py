@@ -206,7 +206,7 @@ class VerifyPlanner:
         self._pending_rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.lookup_survival = {  # per temperature class and match length
             "greedy": {n: LookupSurvival(self.gamma, PRIOR_GREEDY[n]) for n in range(MIN_MATCH, MAX_MATCH + 1)},
-            "sampled": {n: LookupSurvival(self.gamma, PRIOR_SAMPLED) for n in range(MIN_MATCH, MAX_MATCH + 1)}}
+            "sampled": {n: LookupSurvival(self.gamma, PRIOR_SAMPLED[n]) for n in range(MIN_MATCH, MAX_MATCH + 1)}}
         if settings.planner == "production":
             from sglang_dspark.scheduling.cost_model import load_cost_model
             from sglang_dspark.scheduling.planner import EarlyStopPlanner
