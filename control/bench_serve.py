@@ -391,8 +391,6 @@ def report_tables(report: dict) -> list:
     median, paired, pooled); for the DSPARK_LIVE cells, which kind of step delivered the tokens
     (`step_summary`'s `by_kind` and `drafter_rounds`); and the verify cost against context when
     `--verify-cost` ran."""
-    from rich.table import Table
-
     tables: list = []
     if report["arms"]:
         tables += _arm_tables(report)
