@@ -361,3 +361,25 @@ def test_a_step_that_skipped_the_drafter_merges_sampled_lookup_rows_beside_rows_
     merged = worker._with_lookup_drafts(None, torch.zeros(3, dtype=torch.bool), [[], lookup, []], params, width=4)
     assert merged.tokens[1].tolist() == lookup
     assert merged.probs[0].abs().sum() == 0 and merged.probs[1].sum(-1).tolist() == [1.0] * 4
+
+
+def test_lookup_rows_do_not_make_the_drafter_walk_slots_its_own_rows_never_verify(tmp_path, monkeypatch):
+    """Served at batch 12-16, a third of the rows carried lookup drafts whose survivals stay
+    around 0.3 to the end of the block, while the drafter's own fell to 0.03 by position 5.
+    The width the planner walks is valued on the drafter's rows alone: pooled with the lookup
+    rows, it walked all 7 slots on every step although none past the 5th was ever verified."""
+    from sglang_dspark.engine.planning import StepDecision
+
+    planner = _production_planner(tmp_path, monkeypatch)
+    batch = 16
+    rids, context, greedy = [f"r{i}" for i in range(batch)], torch.full((batch,), 400), torch.ones(batch, dtype=torch.bool)
+    drafter_rows = torch.tensor([3.0, -2.0, -4.0, -6.0, -6.0, -6.0, -6.0]).repeat(batch, 1)  # sure of one draft
+    lookup_lens = torch.tensor([7] * 6 + [0] * (batch - 6))
+    for _ in range(8):
+        planner.plan(rids, drafter_rows, context, StepDecision(draft_width=7, capacity=7 * batch), greedy=greedy,
+                     lookup_lens=lookup_lens, lookup_matches=torch.where(lookup_lens > 0, 4, 0))
+    pool = [row for snapshot in planner.capacity_planner._history for row in snapshot.ids]
+    assert pool and all(rid not in pool for rid in rids[:6]), "lookup rows are not drafter rows"
+    planner.draft_costs.add(batch, 7, 0.003, 0.007)  # a walk of 1 ms a slot
+    decision = planner.decide(rids, context)
+    assert decision.draft and decision.draft_width <= 2, decision
