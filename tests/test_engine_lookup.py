@@ -372,7 +372,8 @@ def test_lookup_rows_do_not_make_the_drafter_walk_slots_its_own_rows_never_verif
 
     planner = _production_planner(tmp_path, monkeypatch)
     batch = 16
-    rids, context, greedy = [f"r{i}" for i in range(batch)], torch.full((batch,), 400), torch.ones(batch, dtype=torch.bool)
+    rids, context = [f"r{i}" for i in range(batch)], torch.full((batch,), 400)
+    greedy = torch.ones(batch, dtype=torch.bool)
     drafter_rows = torch.tensor([3.0, -2.0, -4.0, -6.0, -6.0, -6.0, -6.0]).repeat(batch, 1)  # sure of one draft
     lookup_lens = torch.tensor([7] * 6 + [0] * (batch - 6))
     for _ in range(8):
