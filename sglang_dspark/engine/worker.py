@@ -371,10 +371,12 @@ class DSparkLiveWorker(BaseSpecWorker):
         if self.lookups is not None:  # committed: the bonus and the accepted drafts
             looked_up = [False] * batch_size if plan.lookup_lens is None else (
                 (plan.lookup_lens > 0) & (plan.verify_lens > 0)).tolist()
-            for b, (slot, accepted) in enumerate(zip(slots.tolist(), outcome.num_accepted.tolist())):
-                if looked_up[b]:
+            # host lists once: indexing the tensors per request cost ~0.1 ms a step at batch 16
+            for slot, accepted, first, tokens, observed in zip(slots.tolist(), outcome.num_accepted.tolist(),
+                                                               bonus.tolist(), outcome.tokens.tolist(), looked_up):
+                if observed:
                     self.lookups.observe(slot, accepted)
-                self.lookups.commit(slot, [int(bonus[b])] + outcome.tokens[b, :accepted].tolist())
+                self.lookups.commit(slot, [first] + tokens[:accepted])
         if on_publish is not None:
             on_publish(new_seq_lens.to(self.device))
 
