@@ -213,11 +213,20 @@ def step_summary(step_log: Path, skip: int = 0) -> dict:
         "draft_parts_median": {part: statistics.median(s.get(f"{part}_seconds", 0.0) for s in drafted)
                                for part in DRAFT_PARTS} if drafted else None,
         "verify_seconds_median": statistics.median(s["verify_seconds"] for s in steps),
+        # the target forward alone, and SGLang's scheduler between two decode steps (older logs: None)
+        "forward_seconds_median": _median_of(s.get("forward_seconds") or None for s in steps),
+        "between_steps_seconds_median": _median_of(s.get("between_steps_seconds") for s in steps),
         "step_seconds_median": statistics.median(s["measured_seconds"] for s in steps),
         "predicted_over_measured_median": statistics.median(predicted) if predicted else None,
         "by_kind": _by_kind(steps),
         "drafter_rounds": _drafter_rounds(steps),
     }
+
+
+def _median_of(values) -> float | None:
+    """The median of the values that are not None, or None when there are none."""
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
 
 
 STEP_KINDS = ("drafter", "lookup", "plain")

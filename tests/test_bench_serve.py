@@ -442,3 +442,16 @@ def test_report_tables_show_the_verify_cost_or_why_it_is_missing():
     console = Console(record=True, width=200)
     console.print(*report_tables(failed))
     assert "verify cost: not measured (TimeoutError: the server did not start)" in console.export_text()
+
+
+def test_step_summary_separates_the_target_forward_and_the_schedulers_time_between_steps(tmp_path):
+    log = tmp_path / "steps.jsonl"
+    timed = [_step(True, 0.003, 0.030, 0.033, None) | {"forward_seconds": f, "between_steps_seconds": b}
+             for f, b in ((0.024, None), (0.026, 0.0015), (0.025, 0.0011))]  # the first came after a prefill
+    log.write_text("".join(json.dumps(s) + "\n" for s in timed))
+    summary = step_summary(log)
+    assert summary["forward_seconds_median"] == pytest.approx(0.025)
+    assert summary["between_steps_seconds_median"] == pytest.approx(0.0013), "steps after a prefill say nothing"
+    log.write_text(json.dumps(_step(True, 0.003, 0.030, 0.033, None)) + "\n")  # a log from before the fields
+    older = step_summary(log)
+    assert older["forward_seconds_median"] is None and older["between_steps_seconds_median"] is None

@@ -175,6 +175,11 @@ def test_a_drafter_not_worth_its_cost_is_skipped_and_output_stays_exact(servers,
             assert step["decide_seconds"] > 0 and step["plan_seconds"] > 0, step
         assert sum(step[part] for part in parts) <= step["draft_seconds"] + 1e-6, step
     assert all(step["block_seconds"] == step["walk_seconds"] == 0.0 for step in skipped)
+    # the target forward alone within the verify, and the scheduler's time since the previous decode step
+    assert all(0 < step["forward_seconds"] <= step["verify_seconds"] for step in steps)
+    between = [step["between_steps_seconds"] for step in steps if step["between_steps_seconds"] is not None]
+    assert between and all(0 <= seconds < 60 for seconds in between)
+    assert len(between) < len(steps), "a prefill came before some steps: those say nothing of the scheduler"
 
 
 def test_sampled_requests_beside_greedy_ones_on_steps_that_skip_the_drafter_are_served(servers, baseline_outputs,

@@ -54,6 +54,10 @@ class StepRecord:
     block_seconds: float = 0.0  # the drafter's block forward: its share
     walk_seconds: float = 0.0  # the Markov walk sampling the drafts: its share
     plan_seconds: float = 0.0  # the verify lengths: its share
+    forward_seconds: float = 0.0  # the target's verify forward alone: its share of verify_seconds
+    # since the previous decode step ended: SGLang's scheduler between two steps (result processing,
+    # streaming, the next batch); None when a prefill or an idle step came between
+    between_steps_seconds: float | None = None
     requests: list[RequestStep] = field(default_factory=list)
 
     def to_json(self) -> dict:

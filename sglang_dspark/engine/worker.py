@@ -131,6 +131,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         self.kernel_walk = _kernel_walk_for(self.drafter)
         self.target_sampler = _target_sampler_for(self.device)
         self._step = 0
+        self._decode_ended: float | None = None  # when the last decode step returned (None: another forward since)
         _ACTIVE_WORKER = self
         logger.info(
             "DSPARK_LIVE worker: drafter %s (%s), gamma %d, taps %s, planner %s (cost model %s, served offsets %s), "
@@ -204,6 +205,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         return self._forward_decode(batch, on_publish)
 
     def _idle_result(self, on_publish) -> GenerationBatchResult:
+        self._decode_ended = None
         empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         if on_publish is not None:
             on_publish(empty)
@@ -217,6 +219,7 @@ class DSparkLiveWorker(BaseSpecWorker):
 
     def _forward_prefill(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
         """Target extend capturing the taps of every new prompt position into the tap store."""
+        self._decode_ended = None
         slots = batch.req_pool_indices.to(torch.long).cpu()
         prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.long)
         extend_lens = torch.tensor(batch.extend_lens, dtype=torch.long)
@@ -280,6 +283,7 @@ class DSparkLiveWorker(BaseSpecWorker):
 
     def _forward_decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
         started = time.perf_counter()
+        between_steps = None if self._decode_ended is None else started - self._decode_ended
         batch_size = len(batch.reqs)
         slots = batch.req_pool_indices.to(torch.long).cpu()
         seq_lens = batch.seq_lens.to(torch.long).cpu()
@@ -338,8 +342,8 @@ class DSparkLiveWorker(BaseSpecWorker):
             drafts = draft.tokens[:, :0].to(self.device)
         drafted = time.perf_counter()
 
-        logits, taps, window_kv_slots, final_hidden = self._verify_forward(batch, slots, seq_lens, bonus, drafts,
-                                                                           plan.verify_lens)
+        logits, taps, window_kv_slots, final_hidden, forward_seconds = self._verify_forward(
+            batch, slots, seq_lens, bonus, drafts, plan.verify_lens)
         verified = time.perf_counter()
         window_lens = plan.verify_lens + 1
         _ban_stop_tokens(logits, min_new_tokens_bans(batch.reqs), seq_lens, window_lens)
@@ -392,8 +396,8 @@ class DSparkLiveWorker(BaseSpecWorker):
             logits_output = logits_output or LogitsProcessorOutput(next_token_logits=None)
             logits_output.hidden_states = _rows_at_stride(final_hidden, window_lens, self.stride)
         self._record(batch, rids, slots, seq_lens, params, plan, outcome.num_accepted,
-                     started, drafted, verified, decision, caught_up, times)
-        return GenerationBatchResult(
+                     started, drafted, verified, decision, caught_up, times, forward_seconds, between_steps)
+        result = GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=next_tokens.reshape(-1).to(self.device),
             accept_lens=accept_lens.to(device=self.device, dtype=torch.int32),
@@ -404,6 +408,8 @@ class DSparkLiveWorker(BaseSpecWorker):
             can_run_cuda_graph=False,
             speculative_num_draft_tokens=self.stride,
         )
+        self._decode_ended = time.perf_counter()  # the next step's between_steps_seconds counts from here
+        return result
 
     def _draft_block(self, slots: torch.Tensor, bonus: torch.Tensor, params: SamplingParams, width: int,
                      times: DraftTimes, reqs: list | None = None) -> DraftBlock:
@@ -529,9 +535,9 @@ class DSparkLiveWorker(BaseSpecWorker):
                         bonus: torch.Tensor, drafts: torch.Tensor, verify_lens: torch.Tensor):
         """One TARGET_VERIFY forward over each request's `[bonus, first verify_lens[b] drafts]`.
 
-        Returns packed logits `[sum(w), V]` (on the device), taps `[sum(w), m*d]`, the window rows' KV slots and,
+        Returns packed logits `[sum(w), V]` (on the device), taps `[sum(w), m*d]`, the window rows' KV slots,
         when a request of the batch asks for hidden states, the target's final hidden states `[sum(w), d]` (else
-        None). The window's KV slots were reserved by the scheduler (`eagle_prepare_for_decode`: 2 x window past
+        None), and the seconds of the target forward alone. The window's KV slots were reserved by the scheduler (`eagle_prepare_for_decode`: 2 x window past
         the committed length).
         """
         self._install_verify_attention()
@@ -558,8 +564,10 @@ class DSparkLiveWorker(BaseSpecWorker):
                                                   return_hidden_states_before_norm=False)
             _reshape_as_extend(forward_batch, seq_lens, window_lens, self.device)
             with _keeping_final_hidden(self.model_runner.model, batch.return_hidden_states):
+                forward_started = time.perf_counter()
                 result = self._target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch,
                                                                       is_verify=True)
+                forward_seconds = time.perf_counter() - forward_started
         finally:
             batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info = saved
         if self.settings.verify_attention == "linear" and (
@@ -571,12 +579,13 @@ class DSparkLiveWorker(BaseSpecWorker):
         if output.hidden_states is None or output.hidden_states.shape[0] != logits.shape[0]:
             raise RuntimeError("DSPARK_LIVE verify: the target returned no taps for the verify window")
         final_hidden = _final_hidden_states(output, logits.shape[0]) if batch.return_hidden_states else None
-        return logits, output.hidden_states.cpu(), out_cache_loc, final_hidden
+        return logits, output.hidden_states.cpu(), out_cache_loc, final_hidden, forward_seconds
 
     # ------------------------------------------------------------------ records
 
     def _record(self, batch, rids, slots, seq_lens, params, plan, num_accepted, started, drafted, verified,
-                decision: StepDecision, caught_up: int, times: DraftTimes):
+                decision: StepDecision, caught_up: int, times: DraftTimes, forward_seconds: float,
+                between_steps: float | None):
         self._step += 1
         finished = time.perf_counter()
         committed = int(num_accepted.sum()) + len(rids)
@@ -609,7 +618,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             verify_seconds=verified - drafted, overlap=self.enable_overlap, drafted=decision.draft,
             vetoed=decision.vetoed, catch_up_rows=caught_up, catch_up_seconds=times.catch_up,
             decide_seconds=times.decide, block_seconds=times.block, walk_seconds=times.walk,
-            plan_seconds=times.plan,
+            plan_seconds=times.plan, forward_seconds=forward_seconds, between_steps_seconds=between_steps,
             requests=requests,
         ))
 
