@@ -537,8 +537,8 @@ class DSparkLiveWorker(BaseSpecWorker):
 
         Returns packed logits `[sum(w), V]` (on the device), taps `[sum(w), m*d]`, the window rows' KV slots,
         when a request of the batch asks for hidden states, the target's final hidden states `[sum(w), d]` (else
-        None), and the seconds of the target forward alone. The window's KV slots were reserved by the scheduler (`eagle_prepare_for_decode`: 2 x window past
-        the committed length).
+        None), and the seconds of the target forward alone. The window's KV slots were reserved by the
+        scheduler (`eagle_prepare_for_decode`: 2 x window past the committed length).
         """
         self._install_verify_attention()
         window_lens = verify_lens + 1
