@@ -175,8 +175,8 @@ def test_the_planner_never_verifies_past_a_draft_the_grammar_refuses(tmp_path, m
 def test_lookup_rounds_teach_the_lookup_survivals_and_stay_out_of_the_calibration(tmp_path, monkeypatch):
     planner = _production_planner(tmp_path, monkeypatch)
     rids, context = ["a", "b"], torch.tensor([100, 100])
-    plan = planner.plan(rids, torch.zeros((2, 7)), context, lookup_lens=torch.tensor([7, 0]),
-                        lookup_matches=torch.tensor([3, 0]))
+    plan = planner.plan(rids, torch.zeros((2, 7)), context, greedy=torch.tensor([True, True]),
+                        lookup_lens=torch.tensor([7, 0]), lookup_matches=torch.tensor([3, 0]))
     before = {kind: {n: survival.survivals() for n, survival in by_match.items()}
               for kind, by_match in planner.lookup_survival.items()}
     planner.observe_rounds(plan, torch.tensor([0, 3]), greedy=torch.tensor([True, True]))

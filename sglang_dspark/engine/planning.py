@@ -188,6 +188,8 @@ class Plan:
     step_shape: StepShape | None = None  # what was predicted (production planner only)
     lookup_lens: torch.Tensor | None = None  # [B] lookup drafts in place of the drafter's (0: none)
     lookup_matches: torch.Tensor | None = None  # [B] length of the match that proposed them (0: none)
+    # ((temperature class, match length), rows) of the lookup rows: grouped once, read by plan and observe_rounds
+    lookup_groups: list[tuple[tuple[str, int], torch.Tensor]] | None = None
 
 
 class VerifyPlanner:
@@ -297,13 +299,15 @@ class VerifyPlanner:
             raise ValueError("lookup_lens and lookup_matches come together: the drafts and the match that "
                              "proposed them")
         decision = decision or self.decide(request_ids, context_lens)
+        groups = None if lookup_lens is None else self._lookup_groups(lookup_lens, lookup_matches, greedy)
         if confidence_logits is None:
             if self.settings.planner == "production":
                 raise ValueError("the production planner needs a drafter with a confidence head")
             verify_lens = torch.minimum(torch.full((batch,), self._next_static_drafts(), dtype=torch.long),
                                         _draft_limits(batch, decision.draft_width, lookup_lens, grammar_lens))
             return Plan(verify_lens=verify_lens, capacity=None, predicted_seconds=None, confidence_logits=None,
-                        survivals=None, lookup_lens=lookup_lens, lookup_matches=lookup_matches)
+                        survivals=None, lookup_lens=lookup_lens, lookup_matches=lookup_matches,
+                        lookup_groups=groups)
         confidence_logits = confidence_logits[:, : self.gamma].float().cpu()
         width = confidence_logits.shape[1]
         drafted_width = min(width, decision.draft_width)  # the drafter's rows hold this many drafts
@@ -313,13 +317,13 @@ class VerifyPlanner:
         padded = torch.nn.functional.pad(confidence_logits, (0, self.gamma - width))
         survivals = self.survivals(padded, greedy)
         if lookup_lens is not None:
-            survivals = self._with_lookup_survivals(survivals, lookup_lens, lookup_matches, greedy)
+            survivals = self._with_lookup_survivals(survivals, lookup_lens, groups)
         survivals = survivals * (torch.arange(1, self.gamma + 1)[None, :] <= limits[:, None])  # no draft, no survival
         if self.settings.planner != "production":
             verify_lens = torch.minimum(torch.full((batch,), self._next_static_drafts(), dtype=torch.long), limits)
             return Plan(verify_lens=verify_lens, capacity=None, predicted_seconds=None,
                         confidence_logits=confidence_logits, survivals=survivals[:, :width], lookup_lens=lookup_lens,
-                        lookup_matches=lookup_matches)
+                        lookup_matches=lookup_matches, lookup_groups=groups)
         if bool((limits > 0).any()):
             verify_lens = self.capacity_planner.verify_lens(survivals, limits, float(context_lens.sum()))
         elif grammar_lens is not None:  # every request's grammar refused its first draft
@@ -332,7 +336,7 @@ class VerifyPlanner:
         return Plan(verify_lens=verify_lens, capacity=decision.capacity, predicted_seconds=self._predict(shape),
                     confidence_logits=confidence_logits[:, :width] if decision.draft else None,
                     survivals=survivals[:, :width], step_shape=shape, lookup_lens=lookup_lens,
-                    lookup_matches=lookup_matches)
+                    lookup_matches=lookup_matches, lookup_groups=groups)
 
     def _publish_drafter_rows(self, request_ids: list, survivals: torch.Tensor, drafted_width: int,
                               lookup_lens: torch.Tensor | None) -> None:
@@ -358,29 +362,30 @@ class VerifyPlanner:
         because they were told to: `fixed:0` is the one-token baseline)."""
         return self.settings.planner == "production"
 
-    def _with_lookup_survivals(self, survivals: torch.Tensor, lookup_lens: torch.Tensor, lookup_matches: torch.Tensor,
-                               greedy: torch.Tensor | None) -> torch.Tensor:
-        """Rows with lookup drafts take their class's served lookup survivals for their match
-        length, zero past their drafts."""
-        if not bool((lookup_lens > 0).any()):
+    def _with_lookup_survivals(self, survivals: torch.Tensor, lookup_lens: torch.Tensor,
+                               groups: list[tuple[tuple[str, int], torch.Tensor]]) -> torch.Tensor:
+        """Rows with lookup drafts (`groups`, `_lookup_groups`) take their class's served lookup
+        survivals for their match length, zero past their drafts."""
+        if not groups:
             return survivals
         survivals = survivals.clone()
-        greedy = torch.zeros(len(lookup_lens), dtype=torch.bool) if greedy is None else greedy.bool().cpu()
         positions = torch.arange(1, self.gamma + 1)
-        for (kind, n), rows in self._lookup_groups(lookup_lens, lookup_matches, greedy):
+        for (kind, n), rows in groups:
             within = positions[None, :] <= lookup_lens[rows, None]
             survivals[rows] = (self.lookup_survival[kind][n].survivals()[None, :] * within).to(survivals.dtype)
         return survivals
 
     @staticmethod
     def _lookup_groups(lookup_lens: torch.Tensor, lookup_matches: torch.Tensor,
-                       greedy: torch.Tensor) -> list[tuple[tuple[str, int], torch.Tensor]]:
-        """((temperature class, match length), row indices) of each group of lookup rows present:
-        one pass over host lists (a masked tensor comparison per group took ~50 us a call at batch 16,
-        18 us this way; it runs twice a step)."""
+                       greedy: torch.Tensor | None) -> list[tuple[tuple[str, int], torch.Tensor]]:
+        """((temperature class, match length), row indices) of each group of lookup rows present
+        (`greedy` None: every row sampled): one pass over host lists (a masked tensor comparison
+        per group took ~50 us a call at batch 16, 18 us this way), once a step: the plan keeps it
+        for `observe_rounds`."""
+        greedy_rows = [False] * len(lookup_lens) if greedy is None else greedy.bool().tolist()
         groups: dict[tuple[str, int], list[int]] = {}
         for row, (drafts, match, is_greedy) in enumerate(zip(lookup_lens.tolist(), lookup_matches.tolist(),
-                                                            greedy.tolist())):
+                                                            greedy_rows)):
             if drafts > 0:
                 groups.setdefault(("greedy" if is_greedy else "sampled", match), []).append(row)
         return [(key, torch.tensor(rows, dtype=torch.long)) for key, rows in groups.items()]
@@ -418,11 +423,12 @@ class VerifyPlanner:
         """A drafted step's verify outcomes (accepted drafts [B], greedy [B]) for the served
         offsets of each temperature class and live recalibration, taken in every
         `ROUNDS_PER_FLUSH` drafted steps (`flush_rounds`); lookup rounds go to the lookup
-        survivals at once (their drafts are not the drafter's, so they say nothing of its head)."""
+        survivals at once (their drafts are not the drafter's, so they say nothing of its head),
+        each to the temperature class and match length the plan valued it by (`Plan.lookup_groups`)."""
         verify_lens, num_accepted, greedy = plan.verify_lens, num_accepted.cpu(), greedy.bool().cpu()
         if plan.lookup_lens is not None:  # lookup rounds teach the lookup survivals, not the calibration
             lookup = plan.lookup_lens > 0
-            for (kind, n), rows in self._lookup_groups(plan.lookup_lens, plan.lookup_matches, greedy):
+            for (kind, n), rows in plan.lookup_groups:  # the classes the plan valued them by
                 self.lookup_survival[kind][n].add(verify_lens[rows], num_accepted[rows])
         if plan.confidence_logits is None:  # no drafter rows (or no head to calibrate)
             return
