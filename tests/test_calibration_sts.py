@@ -63,6 +63,23 @@ def test_sts_cuts_heldout_ece_of_overconfident_scores_at_least_in_half():
         assert after.ece[k] < before.ece[k]
 
 
+@pytest.mark.parametrize("method", ["sts", "sts_affine"])
+def test_positions_a_round_never_verified_do_not_move_the_fit(method):
+    """Served rounds are censored where the planner stopped (at concurrency 16 most verify 1-2
+    drafts): the scores at positions a round never verified carry no label, so whatever they are,
+    the fitted temperatures and biases are the same."""
+    logits, accepted = rounds(3000, 5, seed=3, scale=2.0, shift=0.3)
+    verified = torch.randint(1, 6, (3000,), generator=torch.Generator().manual_seed(4))
+    accepted = torch.minimum(accepted, verified)
+    unverified = torch.arange(5)[None, :] >= verified[:, None]
+    fits = []
+    for junk in (-40.0, 40.0):
+        data = CalibrationData.from_rounds(logits.masked_fill(unverified, junk), accepted, verified)
+        fits.append(fit_method(method, data))
+    assert unverified[:, 1:].float().mean() > 0.3
+    assert fits[0].temperatures == fits[1].temperatures and fits[0].biases == fits[1].biases
+
+
 def test_sts_keeps_the_ranking():
     logits, accepted = rounds(2000, 5, seed=4, scale=2.0, shift=0.0)
     sts = fit_method("sts", CalibrationData.from_rounds(logits, accepted))
