@@ -216,6 +216,9 @@ def step_summary(step_log: Path, skip: int = 0) -> dict:
         # the target forward alone, and SGLang's scheduler between two decode steps (older logs: None)
         "forward_seconds_median": _median_of(s.get("forward_seconds") or None for s in steps),
         "between_steps_seconds_median": _median_of(s.get("between_steps_seconds") for s in steps),
+        # the planner's intake after each step: its longest is a live recalibration's stall (older logs: None)
+        "observe_seconds_median": _median_of(s.get("observe_seconds") for s in steps),
+        "observe_seconds_max": max((s["observe_seconds"] for s in steps if "observe_seconds" in s), default=None),
         "step_seconds_median": statistics.median(s["measured_seconds"] for s in steps),
         "predicted_over_measured_median": statistics.median(predicted) if predicted else None,
         "by_kind": _by_kind(steps),

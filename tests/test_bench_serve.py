@@ -446,12 +446,16 @@ def test_report_tables_show_the_verify_cost_or_why_it_is_missing():
 
 def test_step_summary_separates_the_target_forward_and_the_schedulers_time_between_steps(tmp_path):
     log = tmp_path / "steps.jsonl"
-    timed = [_step(True, 0.003, 0.030, 0.033, None) | {"forward_seconds": f, "between_steps_seconds": b}
-             for f, b in ((0.024, None), (0.026, 0.0015), (0.025, 0.0011))]  # the first came after a prefill
-    log.write_text("".join(json.dumps(s) + "\n" for s in timed))
+    timed = [_step(True, 0.003, 0.030, 0.033, None) | {"forward_seconds": f, "between_steps_seconds": b,
+                                                       "observe_seconds": o}
+             for f, b, o in ((0.024, None, 0.0002), (0.026, 0.0015, 0.16), (0.025, 0.0011, 0.0003))]
+    log.write_text("".join(json.dumps(s) + "\n" for s in timed))  # the first came after a prefill
     summary = step_summary(log)
     assert summary["forward_seconds_median"] == pytest.approx(0.025)
     assert summary["between_steps_seconds_median"] == pytest.approx(0.0013), "steps after a prefill say nothing"
+    assert summary["observe_seconds_median"] == pytest.approx(0.0003)
+    assert summary["observe_seconds_max"] == pytest.approx(0.16), "a refit's stall shows in the longest intake"
     log.write_text(json.dumps(_step(True, 0.003, 0.030, 0.033, None)) + "\n")  # a log from before the fields
     older = step_summary(log)
     assert older["forward_seconds_median"] is None and older["between_steps_seconds_median"] is None
+    assert older["observe_seconds_median"] is None and older["observe_seconds_max"] is None

@@ -177,6 +177,7 @@ def test_a_drafter_not_worth_its_cost_is_skipped_and_output_stays_exact(servers,
     assert all(step["block_seconds"] == step["walk_seconds"] == 0.0 for step in skipped)
     # the target forward alone within the verify, and the scheduler's time since the previous decode step
     assert all(0 < step["forward_seconds"] <= step["verify_seconds"] for step in steps)
+    assert all(0 < step["observe_seconds"] < 60 for step in steps), "the planner's intake after each step is timed"
     between = [step["between_steps_seconds"] for step in steps if step["between_steps_seconds"] is not None]
     assert between and all(0 <= seconds < 60 for seconds in between)
     assert len(between) < len(steps), "a prefill came before some steps: those say nothing of the scheduler"

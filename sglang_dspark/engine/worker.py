@@ -596,6 +596,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         self.planner.observe(plan, rids, target_seconds=finished - drafted, step_seconds=steady_seconds,
                              committed_tokens=committed, drafted=decision.draft)
         self.planner.observe_rounds(plan, num_accepted, params.greedy)
+        observe_seconds = time.perf_counter() - finished  # a refit stalls the scheduler here, unseen otherwise
         no_head = [[] for _ in rids]  # a drafter without a confidence head predicts no survivals
         confidences = no_head if plan.confidence_logits is None else plan.confidence_logits.tolist()
         survivals = no_head if plan.survivals is None else plan.survivals.tolist()
@@ -619,7 +620,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             vetoed=decision.vetoed, catch_up_rows=caught_up, catch_up_seconds=times.catch_up,
             decide_seconds=times.decide, block_seconds=times.block, walk_seconds=times.walk,
             plan_seconds=times.plan, forward_seconds=forward_seconds, between_steps_seconds=between_steps,
-            requests=requests,
+            observe_seconds=observe_seconds, requests=requests,
         ))
 
 
