@@ -18,9 +18,11 @@ class, a calibration is refitted on 70 % of the buffer (`calibration.sts.calibra
 temperature, STS or STS with a bias per position, by held-out ECE) and compared with the one in
 force on the other 30 %: it replaces it only where its Brier score there is lower by more than
 `SIGNIFICANCE` standard errors (a paired comparison on the same rounds; the difference of two
-binned ECEs on ~1,000 rounds is mostly noise). A refit of a full buffer takes ~0.3 s of the
-scheduler process (the steps wait), so each refit that changes nothing doubles the wait for the
-next, up to `MAX_BACKOFF` times `every`; one that takes over resets it. Rounds are censored where
+binned ECEs on ~1,000 rounds is mostly noise). A refit of a full buffer takes the scheduler
+process ~0.1 s where most rounds verified 1-2 drafts (concurrency 16) and ~0.2 s where they
+verified 3-7 (concurrency 1; the steps wait; each position's grid reads only the rounds that
+verified it), so each refit that changes nothing doubles the wait for the next, up to
+`MAX_BACKOFF` times `every`; one that takes over resets it. Rounds are censored where
 the planner stopped early (positions past the verified ones carry no label), which the metrics
 already handle. Survivals only steer how many drafts are verified, so output is unchanged:
 verification stays lossless.

@@ -59,7 +59,7 @@ class StepRecord:
     # streaming, the next batch); None when a prefill or an idle step came between
     between_steps_seconds: float | None = None
     # after measured_seconds ended: the planner taking in this step (step rates, cost table, verify
-    # rounds), with a live recalibration refit when one was due (~0.15 s of 4,096 rounds here)
+    # rounds), with a live recalibration refit when one was due (0.1-0.2 s of 4,096 rounds here)
     observe_seconds: float = 0.0
     requests: list[RequestStep] = field(default_factory=list)
 
