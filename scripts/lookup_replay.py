@@ -152,8 +152,10 @@ def main() -> None:
         for domain in DOMAINS:
             rounds = [replay(a, target, drafter, gamma, args.branch_drafts) for a in answers if a["domain"] == domain]
             flat = [r for answer in rounds for r in answer]
-            tau = {name: (lambda totals: totals[1] / totals[0])([sum(x) for x in zip(*(walk(r, *policy) for r in rounds))])
-                   for name, policy in policies.items()}
+            tau = {}
+            for name, policy in policies.items():
+                steps, committed = (sum(x) for x in zip(*(walk(r, *policy) for r in rounds)))
+                tau[name] = committed / steps
             report["domains"][domain] = {
                 **{f"tau_{name}": round(value, 3) for name, value in tau.items()},
                 "lookup_round_share": round(sum(lookup >= 0 for _, lookup, _ in flat) / len(flat), 3),

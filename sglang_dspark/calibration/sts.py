@@ -179,7 +179,8 @@ def _search_position(
     4,096 rounds stall the scheduler ~0.4 s on 2 cores."""
     labelled = weight_k > 0
     if not bool(labelled.all()):
-        prefix, logits_k, label_k, weight_k = prefix[labelled], logits_k[labelled], label_k[labelled], weight_k[labelled]
+        prefix, logits_k = prefix[labelled], logits_k[labelled]
+        label_k, weight_k = label_k[labelled], weight_k[labelled]
     grid_t, grid_b = torch.meshgrid(temperatures, biases, indexing="ij")
     grid_t, grid_b = grid_t.reshape(-1), grid_b.reshape(-1)
     chunk = max(1, GRID_CELLS_PER_CHUNK // max(1, prefix.numel()))
