@@ -44,6 +44,9 @@ SERVER_FLAVOURS = {
     "dspark_skip": (["--speculative-algorithm", "DSPARK_LIVE"],
                     {"DSPARK_PLANNER": "production", "DSPARK_SPS_PATH": str(FAST_ENGINE_TABLE),
                      "DSPARK_STEP_LOG": "{log_dir}/dspark_skip-steps.jsonl"}),
+    # verify every draft, and at batch 1 a second branch of 2 drafts beside a chain of gamma - 2
+    "dspark_branch": (["--speculative-algorithm", "DSPARK_LIVE"],
+                      {"DSPARK_BRANCH_DRAFTS": "2", "DSPARK_STEP_LOG": "{log_dir}/dspark_branch-steps.jsonl"}),
     # a KV pool far smaller than the running requests need, admitted optimistically: requests are
     # retracted mid-decode (their KV freed) and prefilled again later
     "dspark_tight": (["--speculative-algorithm", "DSPARK_LIVE", "--max-total-tokens", "400",

@@ -99,6 +99,24 @@ def test_greedy_output_equals_plain_serving_for_8_concurrent_requests(servers, b
         assert window_widths == {5}
 
 
+def test_a_second_branch_of_drafts_at_batch_1_keeps_greedy_output_exact(servers, baseline_outputs, server_pool):
+    """`DSPARK_BRANCH_DRAFTS=2`: a lone greedy request verifies the drafter's runner-up first draft
+    and its walk as a second window over the same prefix (SGLang's spare request row 0), beside a
+    chain cut to gamma - 2 drafts. Requests sent one at a time give plain serving's output, and
+    the tiny drafter's branch is taken now and then, its KV slots moved into place."""
+    branch = server_pool.get("dspark_branch")[0].url
+    for i, (prompt, max_new) in enumerate(zip(PROMPTS, MAX_NEW)):
+        got = generate(branch, prompt, **greedy(max_new, ignore_eos=True))
+        assert got["output_ids"] == baseline_outputs[i]["output_ids"], f"request {i} diverged from plain serving"
+    rows = [row for step in _step_log(server_pool, "dspark_branch") for row in step["requests"]]
+    branched = [row for row in rows if row["branch_drafts"] > 0]
+    assert branched, "no step verified a second branch"
+    assert all(row["branch_drafts"] == 2 and row["verify_len"] <= 2 for row in branched), "chain + branch > gamma"
+    taken = [row for row in branched if row["branch_accepted"] > 0]
+    assert taken, f"none of {len(branched)} branches was taken: the slot move went untested"
+    assert all(row["accepted"] == row["branch_accepted"] for row in taken), "a taken branch commits its drafts"
+
+
 @pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
 def test_a_prefix_served_by_the_radix_cache_seeds_the_drafter_from_the_tap_store(servers, flavour):
     """A repeated prompt's prefix comes from SGLang's radix cache (no target forward, so no taps):

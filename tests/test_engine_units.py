@@ -214,7 +214,8 @@ def test_recorder_keeps_a_bounded_ring_but_totals_everything(tmp_path):
     assert logged["step"] == 9 and logged["committed_tokens"] == 4 and logged["measured_seconds"] == 0.01
     assert logged["requests"] == [{"rid": "r", "slot": 0, "context_len": 10, "verify_len": 4, "accepted": 1,
                                    "temperature": 0.0, "confidence_logits": [0.0] * 4, "survivals": [0.5] * 4,
-                                   "lookup_drafts": 0, "lookup_match": 0}] * 2
+                                   "lookup_drafts": 0, "lookup_match": 0, "branch_drafts": 0,
+                                   "branch_accepted": 0}] * 2
 
 
 def test_verify_spans_come_from_the_extend_fields_of_a_verify_forward_only():

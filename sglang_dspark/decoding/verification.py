@@ -336,3 +336,47 @@ def _check_draft(draft: DraftBlock, batch: int, slots: int, vocab: int, params: 
     if draft.probs_vocab is not None and draft.probs_vocab.numel() and int(draft.probs_vocab.max()) >= vocab:
         raise ValueError(f"draft.probs_vocab holds ids up to {int(draft.probs_vocab.max())}, "
                          f"outside the target vocabulary of {vocab}")
+
+
+@dataclass(frozen=True)
+class BranchOutcome:
+    """A greedy row verified with a second branch beside its chain: what it commits (`result`,
+    one row), how many of the branch's drafts it took (0: the chain's outcome stands) and how many
+    of the chain's own drafts were accepted (what the chain's confidences are calibrated on)."""
+
+    result: VerifyResult
+    branch_accepted: int
+    chain_accepted: int
+
+
+def verify_greedy_branch(chain: VerifyResult, branch_tokens: list[int], branch_argmax: list[int]) -> BranchOutcome:
+    """One greedy row's outcome when a second branch of drafts was verified beside its chain.
+
+    `chain`: the chain's own `verify_greedy` outcome (one row); `branch_tokens`: the branch's k
+    drafts, whose first differs from the chain's first; `branch_argmax`: the target's choice after
+    each of them (the branch's k verify rows). Both branches start from the same bonus row, whose
+    choice is `chain.tokens[0, 0]` when the chain accepted nothing: the branch is taken only then,
+    and only where its first draft is that choice; it is walked like a chain from there. Exactly
+    greedy decoding: every committed token is the target's argmax after the ones before it."""
+    chain_accepted = int(chain.num_accepted[0])
+    choice = int(chain.tokens[0, 0])
+    if chain_accepted > 0 or not branch_tokens or branch_tokens[0] != choice:
+        return BranchOutcome(chain, 0, chain_accepted)
+    accepted = 1
+    while accepted < len(branch_tokens) and branch_tokens[accepted] == branch_argmax[accepted - 1]:
+        accepted += 1
+    committed = branch_tokens[:accepted] + [branch_argmax[accepted - 1]]
+    width = max(chain.tokens.shape[1], len(committed))
+    tokens = torch.full((1, width), NO_TOKEN, dtype=torch.long, device=chain.tokens.device)
+    tokens[0, : len(committed)] = torch.tensor(committed, dtype=torch.long)
+    result = VerifyResult(num_accepted=torch.tensor([accepted], dtype=torch.long, device=chain.num_accepted.device),
+                          tokens=tokens)
+    return BranchOutcome(result, accepted, 0)
+
+
+def branch_slot_order(chain_slots: list[int], branch_slots: list[int], branch_accepted: int) -> list[int]:
+    """The KV slots of a request's positions past its bonus once a branch won `branch_accepted`
+    drafts: the branch's accepted slots first (their KV was computed at those positions), then
+    the chain's and the rest of the branch's, overwritten by later windows. The same slots in
+    another order: nothing leaks, nothing is shared."""
+    return branch_slots[:branch_accepted] + chain_slots + branch_slots[branch_accepted:]

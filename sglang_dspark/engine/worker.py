@@ -26,6 +26,7 @@ request); the result processor truncates an accepted run where a request finishe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -46,7 +47,7 @@ from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 
 from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block, verify_greedy, verify_packed
-from sglang_dspark.decoding.verification import TargetSampler
+from sglang_dspark.decoding.verification import TargetSampler, branch_slot_order, verify_greedy_branch
 from sglang_dspark.engine import verify_attention
 from sglang_dspark.engine.grammar import (GrammarSteering, SlotLogits, apply_grammar_masks, guide_drafts,
                                           steer_walked_block)
@@ -71,6 +72,10 @@ from sglang_dspark.model.cache import packed_rows
 from sglang_dspark.runtime import cpu_has_native_bf16
 
 logger = logging.getLogger(__name__)
+
+VIRTUAL_ROW = 0
+"""SGLang's request row that no request is given (`ReqToTokenPool.free_slots` start at 1): a
+second branch of drafts runs there as a second request."""
 
 TOP_K_OFF_THRESHOLD = 1 << 20
 """SGLang encodes "no top-k" as a huge k; anything at or above this means off."""
@@ -313,7 +318,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             walked = torch.full((batch_size,), decision.draft, dtype=torch.bool)
             if has_lookups:
                 walked &= lookup_lens == 0
-            block = None
+            block = walked_block = None
             if bool(walked.any()):
                 every_row = bool(walked.all())
                 rows = walked.nonzero().squeeze(-1)
@@ -324,7 +329,8 @@ class DSparkLiveWorker(BaseSpecWorker):
                 self.planner.draft_costs.add_catch_up(caught_up, times.catch_up)
                 constrained = None if not (batch.has_grammar and self.settings.grammar_steering) else (
                     batch.reqs if every_row else [batch.reqs[int(row)] for row in rows])
-                block = self._draft_block(own[0], own[1], own[3], decision.draft_width, times, constrained)
+                block, walked_block = self._draft_block(own[0], own[1], own[3], decision.draft_width, times,
+                                                        constrained)
                 clock = time.perf_counter()
                 self.planner.draft_costs.add(len(rows), decision.draft_width, times.block, times.walk)
             draft = block if not has_lookups else self._with_lookup_drafts(block, walked, proposals, params,
@@ -334,18 +340,25 @@ class DSparkLiveWorker(BaseSpecWorker):
             plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision, greedy=params.greedy,
                                      lookup_lens=lookup_lens if has_lookups else None, grammar_lens=grammar_lens,
                                      lookup_matches=lookup_matches if has_lookups else None)
+            branch, plan = self._branch(batch, block, walked_block, bonus, params, plan)
             times.plan, _ = _lap(clock)
             drafts = draft.tokens
         else:  # drafts would cost more than they return: this step is a plain decode step
+            branch = None
             draft = _empty_block(batch_size, sampled=not bool(params.greedy.all()))
             plan = self.planner.skipped(rids, seq_lens)
             drafts = draft.tokens[:, :0].to(self.device)
         drafted = time.perf_counter()
 
         logits, taps, window_kv_slots, final_hidden, forward_seconds = self._verify_forward(
-            batch, slots, seq_lens, bonus, drafts, plan.verify_lens)
+            batch, slots, seq_lens, bonus, drafts, plan.verify_lens, branch)
         verified = time.perf_counter()
         window_lens = plan.verify_lens + 1
+        if branch is not None:  # the branch's rows come after the chain's
+            chain_rows = int(window_lens.sum())
+            branch_argmax = self.row_argmax(logits[chain_rows:]).cpu().tolist()
+            branch_taps, branch_kv_slots = taps[chain_rows:], window_kv_slots[chain_rows:]
+            logits, taps, window_kv_slots = logits[:chain_rows], taps[:chain_rows], window_kv_slots[:chain_rows]
         _ban_stop_tokens(logits, min_new_tokens_bans(batch.reqs), seq_lens, window_lens)
         penalties = [penalties_of(req.sampling_params) for req in batch.reqs]
         histories = self.output_histories.refresh(batch.reqs, bonus, seq_lens, [
@@ -363,13 +376,24 @@ class DSparkLiveWorker(BaseSpecWorker):
         else:  # only sampled requests' rows become distributions
             outcome = verify_packed(draft, logits.cpu(), plan.verify_lens, params, self.verify_generator,
                                     target_argmax=target_argmax, sampler=self.target_sampler)
+        chain_accepted = outcome.num_accepted
+        branch_won = 0
+        if branch is not None:
+            taken = verify_greedy_branch(outcome, branch.tolist(), branch_argmax)
+            outcome, branch_won = taken.result, taken.branch_accepted
         accept_lens = outcome.num_accepted + 1
         self.output_histories.commit(batch.reqs, outcome.tokens, accept_lens)
         new_seq_lens = seq_lens + accept_lens
-        if decision.draft or has_lookups:
+        if branch_won:  # the bonus row, then the branch's accepted rows, whose slots take their positions
+            self._store_taps(torch.cat((window_kv_slots[:1], branch_kv_slots[:branch_won])),
+                             torch.cat((taps[:1], branch_taps[:branch_won])))
+            self._take_branch_slots(int(slots[0]), int(seq_lens[0]), window_kv_slots[1:].tolist(),
+                                    branch_kv_slots.tolist(), branch_won)
+        elif decision.draft or has_lookups:
             committed = _committed_rows(window_lens, accept_lens)
-            window_kv_slots, taps = window_kv_slots[committed], taps[committed]
-        self._store_taps(window_kv_slots, taps)  # a one-token step commits every row
+            self._store_taps(window_kv_slots[committed], taps[committed])
+        else:
+            self._store_taps(window_kv_slots, taps)  # a one-token step commits every row
         rows = torch.arange(batch_size)
         new_bonus = outcome.tokens[rows, outcome.num_accepted]
         if self.lookups is not None:  # committed: the bonus and the accepted drafts
@@ -395,8 +419,9 @@ class DSparkLiveWorker(BaseSpecWorker):
         if final_hidden is not None:  # request b's output token j came from its window row j
             logits_output = logits_output or LogitsProcessorOutput(next_token_logits=None)
             logits_output.hidden_states = _rows_at_stride(final_hidden, window_lens, self.stride)
-        self._record(batch, rids, slots, seq_lens, params, plan, outcome.num_accepted,
-                     started, drafted, verified, decision, caught_up, times, forward_seconds, between_steps)
+        self._record(batch, rids, slots, seq_lens, params, plan, outcome.num_accepted, chain_accepted,
+                     started, drafted, verified, decision, caught_up, times, forward_seconds, between_steps,
+                     0 if branch is None else len(branch), branch_won)
         result = GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=next_tokens.reshape(-1).to(self.device),
@@ -412,14 +437,18 @@ class DSparkLiveWorker(BaseSpecWorker):
         return result
 
     def _draft_block(self, slots: torch.Tensor, bonus: torch.Tensor, params: SamplingParams, width: int,
-                     times: DraftTimes, reqs: list | None = None) -> DraftBlock:
-        """The drafter's block forward and Markov walk for these requests (timed into `times`).
+                     times: DraftTimes, reqs: list | None = None
+                     ) -> tuple[DraftBlock, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The drafter's block forward and Markov walk for these requests (timed into `times`), and
+        with the walk kernel the block's hidden states and base logits (a second branch walks them
+        again; None otherwise).
         `reqs` (given when the batch holds grammars to steer by): the walk kernel walks first and
         rows are drawn again, steered, from a draft their grammar refuses; without the kernel the
         whole walk is steered (`engine.grammar`)."""
         clock = time.perf_counter()
         hidden = self.drafter.forward_block(self.context, slots, bonus, width)
         times.block, clock = _lap(clock)
+        walked = None
         if self.kernel_walk is None:
             steering = None if reqs is None else GrammarSteering(reqs, self.vocab_size, self._draft_ids)
             try:
@@ -429,7 +458,8 @@ class DSparkLiveWorker(BaseSpecWorker):
                 if steering is not None:
                     steering.close()
         else:
-            base = None if reqs is None else self.kernel_walk.base_logits(hidden)  # the steering reads them too
+            base = self.kernel_walk.base_logits(hidden)  # the steering and a second branch read them too
+            walked = (hidden, base)
             if bool(params.greedy.all()):
                 draft = self.kernel_walk.greedy(hidden, bonus, base)
             else:
@@ -438,7 +468,46 @@ class DSparkLiveWorker(BaseSpecWorker):
                 steer_walked_block(draft, reqs, params, bonus, self.vocab_size, self._draft_ids,
                                    self._slot_logits(hidden, base), self.generator)
         times.walk, _ = _lap(clock)
-        return draft
+        return draft, walked
+
+    def _branch(self, batch: ScheduleBatch, block: DraftBlock | None,
+                walked: tuple[torch.Tensor, torch.Tensor] | None, bonus: torch.Tensor, params: SamplingParams,
+                plan) -> tuple[torch.Tensor | None, object]:
+        """A second branch of drafts for a lone greedy request the drafter drafted for
+        (`DSPARK_BRANCH_DRAFTS`), and the plan with its chain cut to make room; (None, plan) where
+        none applies. The branch is the drafter's runner-up first draft and the walk on from it over
+        the same block: at batch 1 a verify of 3-7 rows costs the same, and a second first draft is
+        right 11-14 % of the time where the chain's is not (`scripts/lookup_replay.py`). Requests
+        whose verify rows SGLang's sampler would change (penalties, grammars, logit bias, custom
+        processors, min_new_tokens) or that ask for logprobs or hidden states keep the chain alone."""
+        drafts = self.settings.branch_drafts
+        if (drafts == 0 or block is None or walked is None or len(batch.reqs) != 1 or walked[0].shape[1] < drafts
+                or int(plan.verify_lens[0]) < 1 or not bool(params.greedy[0]) or not _plain_greedy_rows(batch)):
+            return None, plan
+        hidden, base = walked  # the chain's block: no second GEMM over the draft vocabulary
+        chain_first = int(block.tokens[0, 0])
+        bias, _ = self.drafter.markov_bias(bonus.to(self.device), hidden[:, 0])
+        scores = base[0, 0].float() + bias[0].float()
+        first = next(token for token in self._draft_ids[scores.topk(2).indices.cpu()].tolist() if token != chain_first)
+        branch = [first]
+        if drafts > 1:
+            branch += self.kernel_walk.greedy(hidden[:, 1:drafts], torch.tensor([first]),
+                                              base[:, 1:drafts]).tokens[0].tolist()
+        plan.verify_lens[0] = min(int(plan.verify_lens[0]), self.gamma - drafts)  # chain + branch: gamma drafts
+        if plan.step_shape is not None:  # the cost table learns the rows this step really verifies
+            shape = plan.step_shape
+            plan = dataclasses.replace(plan, step_shape=dataclasses.replace(
+                shape, batch_tokens=1 + int(plan.verify_lens[0]) + drafts))
+        return torch.tensor(branch, dtype=torch.long), plan
+
+    def _take_branch_slots(self, slot: int, committed: int, chain_slots: list[int], branch_slots: list[int],
+                           accepted: int) -> None:
+        """Give the request's positions past its bonus the KV slots where a winning branch's accepted
+        drafts were computed (`decoding.branch_slot_order`: the same slots, reordered)."""
+        req_to_token = self.req_to_token_pool.req_to_token
+        order = branch_slot_order(chain_slots, branch_slots, accepted)
+        req_to_token[slot, committed + 1: committed + 1 + len(order)] = torch.tensor(order, dtype=req_to_token.dtype,
+                                                                                  device=req_to_token.device)
 
     def _slot_logits(self, hidden: torch.Tensor, base: torch.Tensor) -> SlotLogits:
         """The drafter's logits and confidences at one slot of this block, from its base logits
@@ -532,13 +601,19 @@ class DSparkLiveWorker(BaseSpecWorker):
                 verify_attention.install(backend)
 
     def _verify_forward(self, batch: ScheduleBatch, slots: torch.Tensor, seq_lens: torch.Tensor,
-                        bonus: torch.Tensor, drafts: torch.Tensor, verify_lens: torch.Tensor):
+                        bonus: torch.Tensor, drafts: torch.Tensor, verify_lens: torch.Tensor,
+                        branch: torch.Tensor | None = None):
         """One TARGET_VERIFY forward over each request's `[bonus, first verify_lens[b] drafts]`.
 
         Returns packed logits `[sum(w), V]` (on the device), taps `[sum(w), m*d]`, the window rows' KV slots,
         when a request of the batch asks for hidden states, the target's final hidden states `[sum(w), d]` (else
         None), and the seconds of the target forward alone. The window's KV slots were reserved by the
         scheduler (`eagle_prepare_for_decode`: 2 x window past the committed length).
+
+        `branch` (batch 1): a second branch of drafts after the bonus, verified as a second request
+        in SGLang's request row 0, which the pool never hands out: its row holds the request's
+        prefix and bonus slots, then KV slots the request reserved past its chain, so each window
+        is causal over its own rows and the attention needs no mask. Its rows come last.
         """
         self._install_verify_attention()
         window_lens = verify_lens + 1
@@ -549,6 +624,16 @@ class DSparkLiveWorker(BaseSpecWorker):
         req_to_token = self.req_to_token_pool.req_to_token
         out_cache_loc = req_to_token[slots[request].to(req_to_token.device),
                                      positions.to(req_to_token.device)].to(torch.int64).cpu()
+        spans = (seq_lens, window_lens)
+        if branch is not None:
+            committed, chain, slot = int(seq_lens[0]), int(verify_lens[0]), int(slots[0])
+            branch_slots = req_to_token[slot, committed + chain + 1: committed + chain + 1 + len(branch)]
+            req_to_token[VIRTUAL_ROW, : committed + 1] = req_to_token[slot, : committed + 1]
+            req_to_token[VIRTUAL_ROW, committed + 1: committed + 1 + len(branch)] = branch_slots
+            input_ids = torch.cat((input_ids, branch.to(self.device)))
+            positions = torch.cat((positions, committed + 1 + torch.arange(len(branch))))
+            out_cache_loc = torch.cat((out_cache_loc, branch_slots.to(torch.int64).cpu()))
+            spans = (torch.tensor([committed, committed + 1]), torch.tensor([chain + 1, len(branch)]))
         if bool((out_cache_loc <= 0).any()):
             raise RuntimeError("DSPARK_LIVE verify: a window slot was not reserved by the scheduler (KV id 0)")
 
@@ -562,7 +647,12 @@ class DSparkLiveWorker(BaseSpecWorker):
         try:
             forward_batch = ForwardBatch.init_new(batch, self.model_runner, capture_hidden_mode=CaptureHiddenMode.FULL,
                                                   return_hidden_states_before_norm=False)
-            _reshape_as_extend(forward_batch, seq_lens, window_lens, self.device)
+            if branch is not None:
+                forward_batch.batch_size = 2
+                forward_batch.req_pool_indices = torch.tensor(
+                    [int(slots[0]), VIRTUAL_ROW], dtype=forward_batch.req_pool_indices.dtype,
+                    device=forward_batch.req_pool_indices.device)
+            _reshape_as_extend(forward_batch, *spans, self.device)
             with _keeping_final_hidden(self.model_runner.model, batch.return_hidden_states):
                 forward_started = time.perf_counter()
                 result = self._target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch,
@@ -583,9 +673,9 @@ class DSparkLiveWorker(BaseSpecWorker):
 
     # ------------------------------------------------------------------ records
 
-    def _record(self, batch, rids, slots, seq_lens, params, plan, num_accepted, started, drafted, verified,
-                decision: StepDecision, caught_up: int, times: DraftTimes, forward_seconds: float,
-                between_steps: float | None):
+    def _record(self, batch, rids, slots, seq_lens, params, plan, num_accepted, chain_accepted, started, drafted,
+                verified, decision: StepDecision, caught_up: int, times: DraftTimes, forward_seconds: float,
+                between_steps: float | None, branch_drafts: int = 0, branch_accepted: int = 0):
         self._step += 1
         finished = time.perf_counter()
         committed = int(num_accepted.sum()) + len(rids)
@@ -595,7 +685,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             self.planner.draft_costs.catch_up_seconds(committed) if decision.draft else 0.0)
         self.planner.observe(plan, rids, target_seconds=finished - drafted, step_seconds=steady_seconds,
                              committed_tokens=committed, drafted=decision.draft)
-        self.planner.observe_rounds(plan, num_accepted, params.greedy)
+        self.planner.observe_rounds(plan, chain_accepted, params.greedy)  # the chain's drafts are calibrated
         observe_seconds = time.perf_counter() - finished  # a refit stalls the scheduler here, unseen otherwise
         no_head = [[] for _ in rids]  # a drafter without a confidence head predicts no survivals
         confidences = no_head if plan.confidence_logits is None else plan.confidence_logits.tolist()
@@ -608,12 +698,13 @@ class DSparkLiveWorker(BaseSpecWorker):
             RequestStep(rid=str(rid), slot=int(slot), context_len=int(length), verify_len=verify_lens[b],
                         accepted=accepted[b], temperature=float(params.temperature[b]),
                         confidence_logits=confidences[b], survivals=survivals[b], lookup_drafts=lookup_drafts[b],
-                        lookup_match=lookup_matches[b])
+                        lookup_match=lookup_matches[b], branch_drafts=branch_drafts if b == 0 else 0,
+                        branch_accepted=branch_accepted if b == 0 else 0)
             for b, (rid, slot, length) in enumerate(zip(rids, slots.tolist(), seq_lens.tolist()))
         ]
         self.recorder.add(StepRecord(
             step=self._step, wall_time=time.time(), batch_size=len(rids), capacity=plan.capacity,
-            verify_tokens=sum(verify_lens) + len(rids), accepted_tokens=sum(accepted),
+            verify_tokens=sum(verify_lens) + len(rids) + branch_drafts, accepted_tokens=sum(accepted),
             committed_tokens=sum(accepted) + len(rids), predicted_seconds=plan.predicted_seconds,
             measured_seconds=finished - started, draft_seconds=drafted - started,
             verify_seconds=verified - drafted, overlap=self.enable_overlap, drafted=decision.draft,
@@ -774,6 +865,17 @@ def _target_sampler_for(device) -> TargetSampler | None:
         logger.warning("DSPARK_LIVE: sampled acceptance materialises the target's softmax (no kernel: %s)", error)
         return None
     return kernel_sampler
+
+
+def _plain_greedy_rows(batch: ScheduleBatch) -> bool:
+    """Whether the target's verify rows of this batch are its logits as they come (what a second
+    branch's rows are read as): no grammar, penalty, logit bias, custom processor or min_new_tokens
+    ban changes them, and no request asks for logprobs or hidden states of them."""
+    if batch.has_grammar or batch.return_logprob or batch.return_hidden_states:
+        return False
+    if batch.sampling_info.logit_bias is not None or min_new_tokens_bans(batch.reqs):
+        return False
+    return not any(penalties_of(req.sampling_params).active or reads_request(req) for req in batch.reqs)
 
 
 def _ban_stop_tokens(logits: torch.Tensor, bans: list[StopBan], seq_lens: torch.Tensor,
