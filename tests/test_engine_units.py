@@ -958,3 +958,28 @@ def test_a_sampled_draft_its_grammar_refuses_is_drawn_again_from_the_drafters_ma
     assert block.tokens[0, 1].item() in (11, 12) and block.tokens[0, 2].item() == 13
     assert torch.allclose(block.probs[0, 1], expected), "p_d is the drafter's distribution masked to the grammar"
     assert grammar.state == 0
+
+
+def test_a_second_branch_is_verified_only_where_the_rows_are_the_targets_own_logits():
+    """The branch's rows are read as they come out of the target, so any request whose rows
+    SGLang's sampler would change keeps the chain alone: a custom logit processor counts whether
+    or not it reads the request."""
+    from types import SimpleNamespace
+
+    from sglang_dspark.engine.worker import _plain_greedy_rows
+
+    def batch(info=None, **request_params):
+        params = SimpleNamespace(**({"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                                     "min_new_tokens": 0, "stop_token_ids": [0]} | request_params))
+        req = SimpleNamespace(sampling_params=params, output_ids=[], origin_input_ids=[1, 2],
+                              custom_logit_processor=None)
+        info = info or SimpleNamespace(logit_bias=None, has_custom_logit_processor=False)
+        return SimpleNamespace(has_grammar=False, return_logprob=False, return_hidden_states=False,
+                               sampling_info=info, reqs=[req])
+
+    assert _plain_greedy_rows(batch())
+    assert not _plain_greedy_rows(batch(SimpleNamespace(logit_bias=None, has_custom_logit_processor=True)))
+    assert not _plain_greedy_rows(batch(SimpleNamespace(logit_bias=torch.zeros(1, 8),
+                                                        has_custom_logit_processor=False)))
+    assert not _plain_greedy_rows(batch(frequency_penalty=0.5))
+    assert not _plain_greedy_rows(batch(min_new_tokens=4))

@@ -873,9 +873,11 @@ def _plain_greedy_rows(batch: ScheduleBatch) -> bool:
     ban changes them, and no request asks for logprobs or hidden states of them."""
     if batch.has_grammar or batch.return_logprob or batch.return_hidden_states:
         return False
-    if batch.sampling_info.logit_bias is not None or min_new_tokens_bans(batch.reqs):
-        return False
-    return not any(penalties_of(req.sampling_params).active or reads_request(req) for req in batch.reqs)
+    info = batch.sampling_info
+    if info.logit_bias is not None or getattr(info, "has_custom_logit_processor", False):
+        return False  # (any processor changes rows, whether or not it reads the request)
+    return not min_new_tokens_bans(batch.reqs) and not any(penalties_of(req.sampling_params).active
+                                                           for req in batch.reqs)
 
 
 def _ban_stop_tokens(logits: torch.Tensor, bans: list[StopBan], seq_lens: torch.Tensor,
