@@ -341,12 +341,10 @@ def _check_draft(draft: DraftBlock, batch: int, slots: int, vocab: int, params: 
 @dataclass(frozen=True)
 class BranchOutcome:
     """A greedy row verified with a second branch beside its chain: what it commits (`result`,
-    one row), how many of the branch's drafts it took (0: the chain's outcome stands) and how many
-    of the chain's own drafts were accepted (what the chain's confidences are calibrated on)."""
+    one row) and how many of the branch's drafts it took (0: the chain's outcome stands)."""
 
     result: VerifyResult
     branch_accepted: int
-    chain_accepted: int
 
 
 def verify_greedy_branch(chain: VerifyResult, branch_tokens: list[int], branch_argmax: list[int]) -> BranchOutcome:
@@ -358,10 +356,9 @@ def verify_greedy_branch(chain: VerifyResult, branch_tokens: list[int], branch_a
     choice is `chain.tokens[0, 0]` when the chain accepted nothing: the branch is taken only then,
     and only where its first draft is that choice; it is walked like a chain from there. Exactly
     greedy decoding: every committed token is the target's argmax after the ones before it."""
-    chain_accepted = int(chain.num_accepted[0])
     choice = int(chain.tokens[0, 0])
-    if chain_accepted > 0 or not branch_tokens or branch_tokens[0] != choice:
-        return BranchOutcome(chain, 0, chain_accepted)
+    if int(chain.num_accepted[0]) > 0 or not branch_tokens or branch_tokens[0] != choice:
+        return BranchOutcome(chain, 0)
     accepted = 1
     while accepted < len(branch_tokens) and branch_tokens[accepted] == branch_argmax[accepted - 1]:
         accepted += 1
@@ -371,7 +368,7 @@ def verify_greedy_branch(chain: VerifyResult, branch_tokens: list[int], branch_a
     tokens[0, : len(committed)] = torch.tensor(committed, dtype=torch.long)
     result = VerifyResult(num_accepted=torch.tensor([accepted], dtype=torch.long, device=chain.num_accepted.device),
                           tokens=tokens)
-    return BranchOutcome(result, accepted, 0)
+    return BranchOutcome(result, accepted)
 
 
 def branch_slot_order(chain_slots: list[int], branch_slots: list[int], branch_accepted: int) -> list[int]:
