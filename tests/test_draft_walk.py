@@ -53,6 +53,35 @@ def test_the_greedy_walk_drafts_what_sample_block_drafts(dtype, name, served_lay
     assert len(set(got.tokens.flatten().tolist())) > 3, "the drafts depend on the rows (not a constant)"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["dspark, reduced vocabulary", "dspark, full vocabulary", "dflash twin (no heads)"])
+def test_a_runner_up_branch_starts_at_slot_0s_second_best_draft_and_walks_on_greedily(dtype, name):
+    """The branch the worker verifies beside the chain at batch 1: its first draft is slot 0's best
+    column but the chain's, and its later drafts are the greedy walk from there."""
+    drafter = _drafter(dtype, DRAFTERS[name], served_layout=True)
+    generator = torch.Generator().manual_seed(6)
+    hidden = torch.randn(5, 7, 64, generator=generator).to(dtype)
+    anchors = torch.randint(0, 512, (5,), generator=generator)
+    walk = KernelWalk(drafter)
+    draft_ids = drafter.d2t if drafter.d2t is not None else torch.arange(drafter.config.draft_vocab_size)
+    with torch.inference_mode():
+        for branch_width in (1, 3):
+            chain, branch = walk.greedy_with_branch(hidden, anchors, branch_width)
+            assert torch.equal(chain.tokens, walk.greedy(hidden, anchors).tokens)  # the chain is unchanged
+            bias, _ = drafter.markov_bias(anchors, hidden[:, 0])
+            scores = drafter.base_logits(hidden[:, 0]).float() + bias.float()
+            chain_columns = torch.searchsorted(draft_ids, chain.tokens[:, 0].contiguous())
+            scores[torch.arange(5), chain_columns] = float("-inf")
+            runner_up = draft_ids[scores.argmax(dim=-1)]
+            assert torch.equal(branch[:, 0], runner_up) and bool((branch[:, 0] != chain.tokens[:, 0]).all())
+            if branch_width > 1:
+                greedy = SamplingParams.uniform(5, temperature=0.0)
+                on = sample_block(drafter, hidden[:, 1:branch_width], runner_up, greedy)
+                assert torch.equal(branch[:, 1:], on.tokens)
+    with pytest.raises(ValueError, match=r"a branch of 8 drafts over a block of 7 slots"):
+        walk.greedy_with_branch(hidden, anchors, 8)
+
+
 def test_a_drafter_the_kernel_cannot_walk_is_refused_with_the_reason():
     gated = make_tiny_drafter(make_tiny_target(), markov_head_type="gated")
     assert not kernel_walk_fits(gated)

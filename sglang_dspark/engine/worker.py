@@ -318,7 +318,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             walked = torch.full((batch_size,), decision.draft, dtype=torch.bool)
             if has_lookups:
                 walked &= lookup_lens == 0
-            block = walked_block = None
+            block = branch = None
             if bool(walked.any()):
                 every_row = bool(walked.all())
                 rows = walked.nonzero().squeeze(-1)
@@ -329,8 +329,9 @@ class DSparkLiveWorker(BaseSpecWorker):
                 self.planner.draft_costs.add_catch_up(caught_up, times.catch_up)
                 constrained = None if not (batch.has_grammar and self.settings.grammar_steering) else (
                     batch.reqs if every_row else [batch.reqs[int(row)] for row in rows])
-                block, walked_block = self._draft_block(own[0], own[1], own[3], decision.draft_width, times,
-                                                        constrained)
+                branch_width = self._branch_width(batch, params, decision.draft_width)
+                block, branch = self._draft_block(own[0], own[1], own[3], decision.draft_width, times, constrained,
+                                                  branch_width)
                 clock = time.perf_counter()
                 self.planner.draft_costs.add(len(rows), decision.draft_width, times.block, times.walk)
             draft = block if not has_lookups else self._with_lookup_drafts(block, walked, proposals, params,
@@ -340,7 +341,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision, greedy=params.greedy,
                                      lookup_lens=lookup_lens if has_lookups else None, grammar_lens=grammar_lens,
                                      lookup_matches=lookup_matches if has_lookups else None)
-            branch, plan = self._branch(batch, block, walked_block, bonus, params, plan)
+            branch, plan = self._branch(branch, plan)
             times.plan, _ = _lap(clock)
             drafts = draft.tokens
         else:  # drafts would cost more than they return: this step is a plain decode step
@@ -437,18 +438,18 @@ class DSparkLiveWorker(BaseSpecWorker):
         return result
 
     def _draft_block(self, slots: torch.Tensor, bonus: torch.Tensor, params: SamplingParams, width: int,
-                     times: DraftTimes, reqs: list | None = None
-                     ) -> tuple[DraftBlock, tuple[torch.Tensor, torch.Tensor] | None]:
+                     times: DraftTimes, reqs: list | None = None, branch_width: int = 0
+                     ) -> tuple[DraftBlock, torch.Tensor | None]:
         """The drafter's block forward and Markov walk for these requests (timed into `times`), and
-        with the walk kernel the block's hidden states and base logits (a second branch walks them
-        again; None otherwise).
+        with `branch_width` (`_branch_width`) the lone request's runner-up branch `[branch_width]`
+        from the same walk (None otherwise).
         `reqs` (given when the batch holds grammars to steer by): the walk kernel walks first and
         rows are drawn again, steered, from a draft their grammar refuses; without the kernel the
         whole walk is steered (`engine.grammar`)."""
         clock = time.perf_counter()
         hidden = self.drafter.forward_block(self.context, slots, bonus, width)
         times.block, clock = _lap(clock)
-        walked = None
+        branch = None
         if self.kernel_walk is None:
             steering = None if reqs is None else GrammarSteering(reqs, self.vocab_size, self._draft_ids)
             try:
@@ -458,9 +459,11 @@ class DSparkLiveWorker(BaseSpecWorker):
                 if steering is not None:
                     steering.close()
         else:
-            base = self.kernel_walk.base_logits(hidden)  # the steering and a second branch read them too
-            walked = (hidden, base)
-            if bool(params.greedy.all()):
+            base = self.kernel_walk.base_logits(hidden)  # the steering reads them too
+            if branch_width:
+                draft, branches = self.kernel_walk.greedy_with_branch(hidden, bonus, branch_width, base)
+                branch = branches[0]
+            elif bool(params.greedy.all()):
                 draft = self.kernel_walk.greedy(hidden, bonus, base)
             else:
                 draft = self.kernel_walk.sampled(hidden, bonus, params, self.generator, base)
@@ -468,37 +471,35 @@ class DSparkLiveWorker(BaseSpecWorker):
                 steer_walked_block(draft, reqs, params, bonus, self.vocab_size, self._draft_ids,
                                    self._slot_logits(hidden, base), self.generator)
         times.walk, _ = _lap(clock)
-        return draft, walked
+        return draft, branch
 
-    def _branch(self, batch: ScheduleBatch, block: DraftBlock | None,
-                walked: tuple[torch.Tensor, torch.Tensor] | None, bonus: torch.Tensor, params: SamplingParams,
-                plan) -> tuple[torch.Tensor | None, object]:
-        """A second branch of drafts for a lone greedy request the drafter drafted for
-        (`DSPARK_BRANCH_DRAFTS`), and the plan with its chain cut to make room; (None, plan) where
-        none applies. The branch is the drafter's runner-up first draft and the walk on from it over
-        the same block: at batch 1 a verify of 3-7 rows costs the same, and a second first draft is
-        right 11-14 % of the time where the chain's is not (`scripts/lookup_replay.py`). Requests
-        whose verify rows SGLang's sampler would change (penalties, grammars, logit bias, custom
-        processors, min_new_tokens) or that ask for logprobs or hidden states keep the chain alone."""
+    def _branch_width(self, batch: ScheduleBatch, params: SamplingParams, draft_width: int) -> int:
+        """Drafts of a second branch to walk for this step (`DSPARK_BRANCH_DRAFTS`; 0: none): only
+        for a lone greedy request, with the walk kernel, in a block wide enough. Requests whose
+        verify rows SGLang's sampler would change (penalties, grammars, logit bias, custom
+        processors, min_new_tokens) or that ask for logprobs or hidden states keep the chain alone:
+        the branch is accepted against the target's own argmax."""
         drafts = self.settings.branch_drafts
-        if (drafts == 0 or block is None or walked is None or len(batch.reqs) != 1 or walked[0].shape[1] < drafts
-                or int(plan.verify_lens[0]) < 1 or not bool(params.greedy[0]) or not _plain_greedy_rows(batch)):
+        if (drafts == 0 or self.kernel_walk is None or len(batch.reqs) != 1 or draft_width < drafts
+                or not bool(params.greedy[0]) or not _plain_greedy_rows(batch)):
+            return 0
+        return drafts
+
+    def _branch(self, branch: torch.Tensor | None, plan) -> tuple[torch.Tensor | None, object]:
+        """The walked runner-up branch where the plan verifies the chain, and the plan with its
+        chain cut to make room; (None, plan) where no branch applies. The branch is the drafter's
+        runner-up first draft and the walk on from it over the same block: at batch 1 a verify of
+        3-7 rows costs the same, and a second first draft is right 11-14 % of the time where the
+        chain's is not (`scripts/lookup_replay.py`)."""
+        if branch is None or int(plan.verify_lens[0]) < 1:
             return None, plan
-        hidden, base = walked  # the chain's block: no second GEMM over the draft vocabulary
-        chain_first = int(block.tokens[0, 0])
-        bias, _ = self.drafter.markov_bias(bonus.to(self.device), hidden[:, 0])
-        scores = base[0, 0].float() + bias[0].float()
-        first = next(token for token in self._draft_ids[scores.topk(2).indices.cpu()].tolist() if token != chain_first)
-        branch = [first]
-        if drafts > 1:
-            branch += self.kernel_walk.greedy(hidden[:, 1:drafts], torch.tensor([first]),
-                                              base[:, 1:drafts]).tokens[0].tolist()
+        drafts = len(branch)
         plan.verify_lens[0] = min(int(plan.verify_lens[0]), self.gamma - drafts)  # chain + branch: gamma drafts
         if plan.step_shape is not None:  # the cost table learns the rows this step really verifies
             shape = plan.step_shape
             plan = dataclasses.replace(plan, step_shape=dataclasses.replace(
                 shape, batch_tokens=1 + int(plan.verify_lens[0]) + drafts))
-        return torch.tensor(branch, dtype=torch.long), plan
+        return branch, plan
 
     def _take_branch_slots(self, slot: int, committed: int, chain_slots: list[int], branch_slots: list[int],
                            accepted: int) -> None:

@@ -14,6 +14,11 @@
 // set as decoding.logits_to_probs restricts it, and writes that distribution, which rejection
 // sampling needs as p_d. A row with scale 0 is greedy inside a sampled batch: its argmax, and a
 // one-hot distribution on it.
+//
+// A greedy walk may also walk a runner-up branch per row (branch_width > 0): its first draft is
+// slot 0's best column other than the chain's, then the walk goes on from it over slots 1..
+// branch_width-1 of the same block (no confidences). Slot 0's scores are already there, so the
+// branch costs only its own later slots.
 #include <stdint.h>
 
 #include <cmath>
@@ -48,18 +53,22 @@ struct Walk {
   const float* min_p;  // sampled walk: [rows], 0 = off
   const double* uniforms;  // sampled walk: [rows, width] in [0, 1)
   float* probs;  // sampled walk: [rows, width, draft_vocab], each draft's distribution
+  int64_t branch_width;  // greedy walk: drafts of a runner-up branch per row (0: none)
+  int64_t* branch_tokens;  // greedy walk: [rows, branch_width] target ids, or null
 };
 
-// scores[j] = base[b, k, j] + the Markov bias given prev; writes slot k's confidence.
+// scores[j] = base[b, k, j] + the Markov bias given prev; writes slot k's confidence unless
+// `confidence` is false (a branch's slots).
 template <typename T>
-void slot_scores(const Walk& w, int64_t b, int64_t k, int64_t prev, float* embedding, float* scores, bool bf16) {
+void slot_scores(const Walk& w, int64_t b, int64_t k, int64_t prev, float* embedding, float* scores, bool bf16,
+                 bool confidence = true) {
   const T* w1 = static_cast<const T*>(w.w1);
   const T* w2 = static_cast<const T*>(w.w2);
   const T* proj = static_cast<const T*>(w.proj);
   if (w1 != nullptr)
     for (int64_t r = 0; r < w.rank; ++r) embedding[r] = load(w1, prev * w.rank + r);
   const T* h = static_cast<const T*>(w.hidden) + b * w.hidden_row_stride + k * w.hidden_slot_stride;
-  if (proj != nullptr) {
+  if (proj != nullptr && confidence) {
     float sum = 0.0f;
     for (int64_t i = 0; i < w.hidden_size; ++i) sum += load(h, i) * load(proj, i);
     if (w.proj_reads_markov)
@@ -90,6 +99,14 @@ int64_t argmax_scores(const float* scores, int64_t n) {
   int64_t best = 0;
   for (int64_t j = 1; j < n && !std::isnan(scores[best]); ++j)
     if (scores[j] > scores[best] || std::isnan(scores[j])) best = j;
+  return best;
+}
+
+// The first maximum among the columns other than `excluded` (a NaN wins, as in argmax_scores).
+int64_t argmax_except(const float* scores, int64_t n, int64_t excluded) {
+  int64_t best = excluded == 0 ? 1 : 0;
+  for (int64_t j = best + 1; j < n && !std::isnan(scores[best]); ++j)
+    if (j != excluded && (scores[j] > scores[best] || std::isnan(scores[j]))) best = j;
   return best;
 }
 
@@ -173,6 +190,18 @@ void walk_row(const Walk& w, int64_t b, float* scores, float* embedding, std::ve
                         order);
     prev = w.d2t != nullptr ? w.d2t[chosen] : chosen;
     w.tokens[slot] = prev;
+    if (k == 0 && w.branch_width > 0)  // slot 0's runner-up, a draft column until its walk below
+      w.branch_tokens[b * w.branch_width] = argmax_except(scores, w.draft_vocab, chosen);
+  }
+  if (w.branch_width == 0) return;
+  int64_t* branch = w.branch_tokens + b * w.branch_width;
+  prev = w.d2t != nullptr ? w.d2t[branch[0]] : branch[0];
+  branch[0] = prev;
+  for (int64_t k = 1; k < w.branch_width; ++k) {
+    slot_scores<T>(w, b, k, prev, embedding, scores, bf16, false);
+    const int64_t chosen = argmax_scores(scores, w.draft_vocab);
+    prev = w.d2t != nullptr ? w.d2t[chosen] : chosen;
+    branch[k] = prev;
   }
 }
 
@@ -201,16 +230,18 @@ void dspark_greedy_walk(const void* base, int64_t base_row_stride, int64_t base_
                         const int64_t* anchors, const void* w1, const void* w2, int64_t w2_vocab_stride,
                         int64_t w2_rank_stride, int64_t rank, const void* proj, float proj_bias,
                         int proj_reads_markov, const int64_t* d2t, int64_t rows, int64_t width,
-                        int64_t draft_vocab, int bf16, int64_t* tokens, float* confidences, int threads) {
+                        int64_t draft_vocab, int bf16, int64_t* tokens, float* confidences, int threads,
+                        int64_t branch_width, int64_t* branch_tokens) {
   run_walk(Walk{base, base_row_stride, base_slot_stride, hidden, hidden_row_stride, hidden_slot_stride, hidden_size,
                 anchors, w1, w2, w2_vocab_stride, w2_rank_stride, rank, proj, proj_bias, proj_reads_markov, d2t, rows,
-                width, draft_vocab, tokens, confidences, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr},
+                width, draft_vocab, tokens, confidences, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                branch_width, branch_tokens},
            bf16, threads);
 }
 
-// The greedy walk's arguments, then scale [rows] (1 / temperature; 0: greedy), top_k [rows] (0:
-// off), top_p [rows] (1: off), min_p [rows] (0: off), uniforms [rows, width] and probs [rows, width,
-// draft_vocab] (out).
+// The greedy walk's arguments up to `threads`, then scale [rows] (1 / temperature; 0: greedy), top_k
+// [rows] (0: off), top_p [rows] (1: off), min_p [rows] (0: off), uniforms [rows, width] and probs
+// [rows, width, draft_vocab] (out).
 void dspark_sampled_walk(const void* base, int64_t base_row_stride, int64_t base_slot_stride, const void* hidden,
                          int64_t hidden_row_stride, int64_t hidden_slot_stride, int64_t hidden_size,
                          const int64_t* anchors, const void* w1, const void* w2, int64_t w2_vocab_stride,
@@ -221,7 +252,7 @@ void dspark_sampled_walk(const void* base, int64_t base_row_stride, int64_t base
                          const double* uniforms, float* probs) {
   run_walk(Walk{base, base_row_stride, base_slot_stride, hidden, hidden_row_stride, hidden_slot_stride, hidden_size,
                 anchors, w1, w2, w2_vocab_stride, w2_rank_stride, rank, proj, proj_bias, proj_reads_markov, d2t, rows,
-                width, draft_vocab, tokens, confidences, scale, top_k, top_p, min_p, uniforms, probs},
+                width, draft_vocab, tokens, confidences, scale, top_k, top_p, min_p, uniforms, probs, 0, nullptr},
            bf16, threads);
 }
 }

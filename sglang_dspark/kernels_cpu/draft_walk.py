@@ -45,7 +45,7 @@ def load_draft_walk() -> ctypes.CDLL:
     """The compiled walk, built on first use; raises `KernelUnavailable` with the reason."""
     c = ctypes
     return load_library(SOURCE, {
-        "dspark_greedy_walk": WALK_ARGS,
+        "dspark_greedy_walk": WALK_ARGS + [c.c_int64, c.c_void_p],
         "dspark_sampled_walk": WALK_ARGS + [c.c_void_p] * 6,
     })
 
@@ -92,6 +92,20 @@ class KernelWalk:
         tokens, confidences = self._walk(hidden, anchors, base)
         return DraftBlock(tokens=tokens, probs=None, confidence_logits=confidences)
 
+    def greedy_with_branch(self, hidden: torch.Tensor, anchors: torch.Tensor, branch_width: int,
+                           base: torch.Tensor | None = None) -> tuple[DraftBlock, torch.Tensor]:
+        """`greedy`, and each row's runner-up branch `[B, branch_width]` (target ids): slot 0's best
+        draft other than the chain's, then the greedy walk on from it over slots 1.. of the same
+        block. In the same call: slot 0's scores are already computed, so the branch costs only its
+        later slots (a torch top-2 over them and a second call cost ~0.4 ms a step served)."""
+        width = hidden.shape[1]
+        if not 1 <= branch_width <= width:
+            raise ValueError(f"kernel walk: a branch of {branch_width} drafts over a block of {width} slots "
+                             f"(expected 1..{width})")
+        branch = torch.empty(hidden.shape[0], branch_width, dtype=torch.int64)
+        tokens, confidences = self._walk(hidden, anchors, base, branch=branch)
+        return DraftBlock(tokens=tokens, probs=None, confidence_logits=confidences), branch
+
     def sampled(self, hidden: torch.Tensor, anchors: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator | None, base: torch.Tensor | None = None) -> DraftBlock:
         """Drafts drawn under `params` (one row each), with the distributions they were drawn from
@@ -112,7 +126,7 @@ class KernelWalk:
         return DraftBlock(tokens=tokens, probs=probs, confidence_logits=confidences, probs_vocab=self.drafter.d2t)
 
     def _walk(self, hidden: torch.Tensor, anchors: torch.Tensor, base: torch.Tensor | None = None,
-              sampling: list | None = None):
+              sampling: list | None = None, branch: torch.Tensor | None = None):
         drafter = self.drafter
         batch, width, hidden_size = hidden.shape
         if hidden.dtype != drafter.dtype or hidden.stride(2) != 1 or anchors.shape != (batch,):
@@ -142,7 +156,7 @@ class KernelWalk:
             _pointer(confidences), torch.get_num_threads()]
         kernel = load_draft_walk()
         if sampling is None:
-            kernel.dspark_greedy_walk(*arguments)
+            kernel.dspark_greedy_walk(*arguments, 0 if branch is None else branch.shape[1], _pointer(branch))
         else:
             kernel.dspark_sampled_walk(*arguments, *sampling)
         return tokens, confidences
