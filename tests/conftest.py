@@ -27,11 +27,12 @@ SERVER_FLAVOURS = {
     # request's last output before the previous step is processed)
     "baseline_sync": (["--disable-overlap-schedule", "--enable-custom-logit-processor",
                        "--enable-return-hidden-states"], {}),
-    # verify every draft: uniform windows, overlap scheduling on; prompts over 48 tokens are
-    # prefilled in chunks, so the drafter context is seeded chunk by chunk; every step drafts
+    # verify every draft: uniform windows (no runner-up branch cutting a lone request's chain),
+    # overlap scheduling on; prompts over 48 tokens are prefilled in chunks, so the drafter context
+    # is seeded chunk by chunk; every step drafts
     "dspark_overlap": (["--speculative-algorithm", "DSPARK_LIVE", "--chunked-prefill-size", "48",
                         "--enable-custom-logit-processor", "--enable-return-hidden-states"],
-                       {"DSPARK_STEP_LOG": "{log_dir}/dspark_overlap-steps.jsonl"}),
+                       {"DSPARK_BRANCH_DRAFTS": "0", "DSPARK_STEP_LOG": "{log_dir}/dspark_overlap-steps.jsonl"}),
     # the production planner (any cost table will do: it only has to make windows ragged),
     # overlap scheduling off
     "dspark_sync": (["--speculative-algorithm", "DSPARK_LIVE", "--disable-overlap-schedule",

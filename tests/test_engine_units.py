@@ -96,12 +96,20 @@ def _draft_folder(tmp_path, block_size=4, confidence_head=True):
 
 def test_settings_default_to_checkpoint_block_size_and_verify_all(tmp_path, monkeypatch):
     for name in ("DSPARK_GAMMA", "DSPARK_PLANNER", "DSPARK_SPS_PATH", "DSPARK_STS_PATH", "DSPARK_LOOKUP",
-                 "DSPARK_GRAMMAR_STEERING"):
+                 "DSPARK_GRAMMAR_STEERING", "DSPARK_BRANCH_DRAFTS"):
         monkeypatch.delenv(name, raising=False)
     settings = load_settings(_draft_folder(tmp_path))
     assert (settings.gamma, settings.verify_window, settings.planner) == (4, 5, "all")
     assert settings.lookup == "on", "every request may draft from its own text unless told otherwise"
     assert settings.grammar_steering, "constrained requests steer the drafter unless told otherwise"
+    assert settings.branch_drafts == 2, "a lone greedy request verifies a runner-up branch unless told otherwise"
+    monkeypatch.setenv("DSPARK_GAMMA", "3")
+    assert load_settings(_draft_folder(tmp_path)).branch_drafts == 0, "a chain of one draft is not cut for a branch"
+    monkeypatch.setenv("DSPARK_BRANCH_DRAFTS", "3")
+    with pytest.raises(SettingsError, match="DSPARK_BRANCH_DRAFTS=3: expected an integer between 0 and 2"):
+        load_settings(_draft_folder(tmp_path))
+    monkeypatch.delenv("DSPARK_GAMMA")
+    monkeypatch.delenv("DSPARK_BRANCH_DRAFTS")
     monkeypatch.setenv("DSPARK_GRAMMAR_STEERING", "off")
     assert not load_settings(_draft_folder(tmp_path)).grammar_steering
 

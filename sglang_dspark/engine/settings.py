@@ -18,7 +18,7 @@ process, with a clear error for a bad value:
 | `DSPARK_PREFIX_CACHE` | `on` | keep SGLang's radix (prefix) cache: the worker stores every committed token's taps beside its KV slot (the tap store, one row per KV slot), so a prefix served from the cache seeds the drafter's context without a target forward; `off` disables the radix cache |
 | `DSPARK_SERVED_OFFSETS` | `on` | with the production planner, correct each temperature class's calibration per draft position by an offset learnt from the server's own verify rounds (`calibration.served_offsets`: on served greedy traffic the offline calibration under-predicted acceptance from position 2 on, so the early stop refused drafts that paid); `off`: the calibration files (and live refits) alone |
 | `DSPARK_LOOKUP` | `on` | lookup drafts: where a request's last 2-4 tokens occurred before in its prompt or output, the tokens that followed their latest occurrence are verified instead of the drafter's block (`engine.lookup`; lossless like any draft: a sampled request's lookup is a point-mass proposal under rejection sampling; their survivals are learnt from served lookup rounds, per temperature class and match length); `greedy`: greedy requests only; `off`: the drafter's blocks only |
-| `DSPARK_BRANCH_DRAFTS` | 0 | at batch 1, a greedy request the drafter drafted for also verifies a second branch of this many drafts: the drafter's runner-up first draft and its walk on from it, in a second causal window over the same prefix; the chain keeps at most gamma minus this many drafts, so a step verifies no more rows than gamma + 1. The branch is taken where the chain's first draft is refused and its own is the target's choice (output unchanged: greedy). Requests whose verify rows SGLang's sampler would change, or that ask for logprobs or hidden states, keep the chain alone; CPU (the walk kernel) only. 0: off |
+| `DSPARK_BRANCH_DRAFTS` | 2 (0 where gamma < 4) | at batch 1, a greedy request the drafter drafted for also verifies a second branch of this many drafts: the drafter's runner-up first draft and its walk on from it, in a second causal window over the same prefix; the chain keeps at most gamma minus this many drafts, so a step verifies no more rows than gamma + 1. The branch is taken where the chain's first draft is refused and its own is the target's choice (output unchanged: greedy). Requests whose verify rows SGLang's sampler would change, or that ask for logprobs or hidden states, keep the chain alone; CPU (the walk kernel) only: the branch is walked in the chain's own kernel call. Served at concurrency 1: drafter steps commit ~5 % more tokens in the same time (1.00-1.05x overall over three runs, sessions 50-51). 0: off |
 | `DSPARK_GRAMMAR_STEERING` | `on` | a constrained request's grammar steers the drafter's walk (each slot drafts the best token the grammar allows; `engine.grammar`); `off`: drafts are only cut where the grammar refuses one |
 | `DSPARK_VERIFY_ATTENTION` | `linear` | CPU verify attention: `linear` (the window's queries over the request's KV only: the paged kernel, or SDPA with `DSPARK_CPU_ATTENTION=sdpa`) or `native` (SGLang torch_native extend, re-attends the prefix) |
 """
@@ -38,6 +38,7 @@ VERIFY_ATTENTION_MODES = ("linear", "native")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOOKUP_MODES = ("on", "greedy", "off")
 DEFAULT_RECALIBRATE_EVERY = 1024
+DEFAULT_BRANCH_DRAFTS = 2  # a runner-up branch of 2 beside a chain of gamma - 2 (+5 % tokens a drafter step)
 
 
 class SettingsError(ValueError):
@@ -198,5 +199,5 @@ def load_settings(draft_path: str | Path, dtype: str | None = None, device: str 
         served_offsets=served_offsets == "on",
         lookup=lookup,
         grammar_steering=grammar_steering == "on",
-        branch_drafts=_int_env("DSPARK_BRANCH_DRAFTS", 0, 0, gamma - 1),
+        branch_drafts=_int_env("DSPARK_BRANCH_DRAFTS", DEFAULT_BRANCH_DRAFTS if gamma >= 4 else 0, 0, gamma - 1),
     )
