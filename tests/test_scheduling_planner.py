@@ -383,17 +383,45 @@ def _replay(planner: EarlyStopPlanner, steps: int, drafted_step: tuple[float, fl
     return widths
 
 
+def _most_speculated_steps_while_vetoed(steps: int, explore_every: int = 16) -> int:
+    """The backed-off probes, and for each review its re-measure (`StepRates.min_samples` steps)
+    and the probes' backoff starting over (explore_every, 2x, 4x, ... MAX_PROBE_BACKOFF x)."""
+    from sglang_dspark.scheduling.planner import MAX_PROBE_BACKOFF, VETO_REVIEW_STEPS
+    from sglang_dspark.scheduling.step_rates import StepRates
+
+    probes = steps // (explore_every * MAX_PROBE_BACKOFF) + 1
+    backoff_probes = MAX_PROBE_BACKOFF.bit_length()
+    return probes + (steps // VETO_REVIEW_STEPS + 1) * (StepRates().min_samples + backoff_probes)
+
+
 def test_where_drafted_steps_measurably_lose_the_planner_skips_whatever_its_model_says():
     """At concurrency 16 the table and the survivals both made drafting look worth it while
     drafted steps delivered 0.84x the tokens/s of skipped ones: measurement overrules the model,
-    and the probes that keep measuring drafted steps back off."""
-    from sglang_dspark.scheduling.planner import MAX_PROBE_BACKOFF
-
+    and the probes that keep measuring drafted steps back off; a review now and then measures
+    drafting afresh and vetoes it again."""
     planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=16)
     widths = _replay(planner, 800, drafted_step=(10.0, 0.2), skipped_step=(8.0, 0.05))
     late = widths[-400:]
     assert planner.vetoed or late[-1] > 0
-    assert 1 <= sum(w > 0 for w in late) <= 400 // (16 * MAX_PROBE_BACKOFF) + 1, late
+    assert 1 <= sum(w > 0 for w in late) <= _most_speculated_steps_while_vetoed(400), late
+
+
+def test_a_veto_is_reviewed_on_fresh_speculated_steps_after_a_while():
+    """While vetoed, only the rare probes measure drafting, so the speculated side froze at what
+    it measured when the veto began (at concurrency 16: steps at the long contexts of a wave's
+    end, against plain steps at the next wave's short ones; vetoed for ~900 steps while drafted
+    steps delivered 1.1x). After `VETO_REVIEW_STEPS` vetoed steps it is measured afresh."""
+    from sglang_dspark.scheduling.planner import VETO_REVIEW_STEPS
+
+    planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=16)
+    _replay(planner, 300, drafted_step=(10.0, 0.2), skipped_step=(8.0, 0.05))  # drafting loses
+    assert planner.vetoed
+    widths = _replay(planner, VETO_REVIEW_STEPS + 40, drafted_step=(20.0, 0.06), skipped_step=(8.0, 0.05))
+    assert not planner.vetoed and all(w > 0 for w in widths[-20:]), "drafting wins again: the review lifted it"
+    still_losing = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=16)
+    _replay(still_losing, 300, drafted_step=(10.0, 0.2), skipped_step=(8.0, 0.05))
+    widths = _replay(still_losing, VETO_REVIEW_STEPS + 40, drafted_step=(10.0, 0.2), skipped_step=(8.0, 0.05))
+    assert still_losing.vetoed and sum(w > 0 for w in widths) <= _most_speculated_steps_while_vetoed(len(widths))
 
 
 def test_a_veto_measured_on_requests_that_have_all_left_is_forgotten():
@@ -535,7 +563,7 @@ def test_where_lookup_drafts_measurably_lose_the_planner_runs_plain_steps():
     plain = _replay_lookups(planner, 400, speculated_step=(20.0, 0.06), plain_step=(16.0, 0.04))
     assert planner.vetoed and planner.plain_step
     late = plain[-200:]
-    assert late.count(False) <= 200 // (16 * MAX_PROBE_BACKOFF) + 1, "only backed-off probes speculate"
+    assert late.count(False) <= _most_speculated_steps_while_vetoed(200), "only probes and a review speculate"
     assert plain[:60].count(True) >= 12, "plain steps are sampled until their rate is known"
 
 

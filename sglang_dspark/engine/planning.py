@@ -411,9 +411,10 @@ class VerifyPlanner:
                 committed_tokens: int, drafted: bool) -> None:
         """A finished step: its seconds after drafting (verify forward, acceptance, bookkeeping:
         what the table was fitted on), to which the production planner rescales its table, and
-        the whole step's seconds and committed tokens, which it checks speculating against
-        (unless `request_ids`, the step's batch, changed since the previous step). A step
-        speculated when it drafted or had lookup drafts to plan, verified or not: it paid for them."""
+        the whole step's seconds (with the scheduler's between steps) and committed tokens, which
+        it checks speculating against (unless `request_ids`, the step's batch, changed since the
+        previous step). A step speculated when it drafted or had lookup drafts to plan, verified
+        or not: it paid for them."""
         if self.capacity_planner is not None:
             self.capacity_planner.observe(plan.step_shape, target_seconds)
             looked_up = plan.lookup_lens is not None and bool((plan.lookup_lens > 0).any())

@@ -137,6 +137,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         self.target_sampler = _target_sampler_for(self.device)
         self._step = 0
         self._decode_ended: float | None = None  # when the last decode step returned (None: another forward since)
+        self._scheduler_gap = 0.0  # the last seconds between two decode steps with no other forward between
         _ACTIVE_WORKER = self
         logger.info(
             "DSPARK_LIVE worker: drafter %s (%s), gamma %d, taps %s, planner %s (cost model %s, served offsets %s), "
@@ -684,8 +685,14 @@ class DSparkLiveWorker(BaseSpecWorker):
         # steps is replaced by the steady cost of projecting this step's committed tokens
         steady_seconds = finished - started - times.catch_up + (
             self.planner.draft_costs.catch_up_seconds(committed) if decision.draft else 0.0)
-        self.planner.observe(plan, rids, target_seconds=finished - drafted, step_seconds=steady_seconds,
-                             committed_tokens=committed, drafted=decision.draft)
+        # the scheduler's seconds between two decode steps (~1.4 ms at batch 16) are paid once a
+        # step whatever it commits, so the speculate-or-plain check counts them; where a prefill
+        # ran in between (None) the last clean gap stands in
+        if between_steps is not None:
+            self._scheduler_gap = between_steps
+        self.planner.observe(plan, rids, target_seconds=finished - drafted,
+                             step_seconds=steady_seconds + self._scheduler_gap, committed_tokens=committed,
+                             drafted=decision.draft)
         self.planner.observe_rounds(plan, chain_accepted, params.greedy)  # the chain's drafts are calibrated
         observe_seconds = time.perf_counter() - finished  # a refit stalls the scheduler here, unseen otherwise
         no_head = [[] for _ in rids]  # a drafter without a confidence head predicts no survivals
