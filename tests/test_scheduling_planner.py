@@ -384,14 +384,24 @@ def _replay(planner: EarlyStopPlanner, steps: int, drafted_step: tuple[float, fl
 
 
 def _most_speculated_steps_while_vetoed(steps: int, explore_every: int = 16) -> int:
-    """The backed-off probes, and for each review its re-measure (`StepRates.min_samples` steps)
-    and the probes' backoff starting over (explore_every, 2x, 4x, ... MAX_PROBE_BACKOFF x)."""
-    from sglang_dspark.scheduling.planner import MAX_PROBE_BACKOFF, VETO_REVIEW_STEPS
+    """The backed-off probes, and each time the speculated side leaves the horizon its
+    re-measure (`StepRates.min_samples` steps) and the probes' backoff starting over."""
+    from sglang_dspark.scheduling.planner import MAX_PROBE_BACKOFF
     from sglang_dspark.scheduling.step_rates import StepRates
 
+    rates = StepRates()
     probes = steps // (explore_every * MAX_PROBE_BACKOFF) + 1
-    backoff_probes = MAX_PROBE_BACKOFF.bit_length()
-    return probes + (steps // VETO_REVIEW_STEPS + 1) * (StepRates().min_samples + backoff_probes)
+    return probes + (steps // rates.horizon + 1) * (rates.min_samples + MAX_PROBE_BACKOFF.bit_length())
+
+
+def _most_plain_steps_while_speculation_wins(steps: int, explore_every: int = 16) -> int:
+    """One plain sample in `explore_every * MAX_PROBE_BACKOFF` steps, and each time the plain
+    side leaves the horizon its re-measure (`StepRates.min_samples` steps)."""
+    from sglang_dspark.scheduling.planner import MAX_PROBE_BACKOFF
+    from sglang_dspark.scheduling.step_rates import StepRates
+
+    rates = StepRates()
+    return steps // (explore_every * MAX_PROBE_BACKOFF) + 1 + (steps // rates.horizon + 1) * rates.min_samples
 
 
 def test_where_drafted_steps_measurably_lose_the_planner_skips_whatever_its_model_says():
@@ -406,21 +416,22 @@ def test_where_drafted_steps_measurably_lose_the_planner_skips_whatever_its_mode
     assert 1 <= sum(w > 0 for w in late) <= _most_speculated_steps_while_vetoed(400), late
 
 
-def test_a_veto_is_reviewed_on_fresh_speculated_steps_after_a_while():
-    """While vetoed, only the rare probes measure drafting, so the speculated side froze at what
-    it measured when the veto began (at concurrency 16: steps at the long contexts of a wave's
-    end, against plain steps at the next wave's short ones; vetoed for ~900 steps while drafted
-    steps delivered 1.1x). After `VETO_REVIEW_STEPS` vetoed steps it is measured afresh."""
-    from sglang_dspark.scheduling.planner import VETO_REVIEW_STEPS
+def test_a_veto_rests_on_recent_steps_only():
+    """While vetoed, only the rare probes measure drafting, so the speculated side kept what it
+    measured when the veto began (at concurrency 16: steps at the long contexts of a wave's end,
+    against plain steps at the next wave's short ones; vetoed for ~900 steps while drafted steps
+    delivered 1.1x). Steps past the horizon do not count: drafting is measured afresh."""
+    from sglang_dspark.scheduling.step_rates import StepRates
 
+    horizon = StepRates().horizon
     planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=16)
     _replay(planner, 300, drafted_step=(10.0, 0.2), skipped_step=(8.0, 0.05))  # drafting loses
     assert planner.vetoed
-    widths = _replay(planner, VETO_REVIEW_STEPS + 40, drafted_step=(20.0, 0.06), skipped_step=(8.0, 0.05))
-    assert not planner.vetoed and all(w > 0 for w in widths[-20:]), "drafting wins again: the review lifted it"
+    widths = _replay(planner, horizon + 40, drafted_step=(20.0, 0.06), skipped_step=(8.0, 0.05))
+    assert not planner.vetoed and all(w > 0 for w in widths[-20:]), "drafting wins again: measured afresh"
     still_losing = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=16)
     _replay(still_losing, 300, drafted_step=(10.0, 0.2), skipped_step=(8.0, 0.05))
-    widths = _replay(still_losing, VETO_REVIEW_STEPS + 40, drafted_step=(10.0, 0.2), skipped_step=(8.0, 0.05))
+    widths = _replay(still_losing, horizon + 40, drafted_step=(10.0, 0.2), skipped_step=(8.0, 0.05))
     assert still_losing.vetoed and sum(w > 0 for w in widths) <= _most_speculated_steps_while_vetoed(len(widths))
 
 
@@ -484,12 +495,10 @@ def test_where_the_model_drafts_from_the_start_a_losing_draft_is_found_within_a_
 
 
 def test_where_drafting_measurably_wins_only_a_rare_step_skips_to_keep_the_comparison_fresh():
-    from sglang_dspark.scheduling.planner import MAX_PROBE_BACKOFF
-
     planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=16)
     widths = _replay(planner, 800, drafted_step=(20.0, 0.06), skipped_step=(8.0, 0.05))
     late = widths[-400:]
-    assert 1 <= late.count(0) <= 400 // (16 * MAX_PROBE_BACKOFF) + 1, late
+    assert 1 <= late.count(0) <= _most_plain_steps_while_speculation_wins(400), late
     assert not planner.vetoed
 
 
@@ -519,6 +528,29 @@ def test_step_rates_pool_similar_batch_sizes_and_ignore_warmup_and_stalls():
     assert not rates.speculation_loses(16)
     with pytest.raises(ValueError, match="window"):
         StepRates(window=0)
+
+
+def test_step_rates_count_only_the_steps_within_their_horizon():
+    """A rate compares the two kinds of step at today's contexts: steps recorded more than
+    `horizon` steps ago, of any size, no longer count, and a kind left with too few is unknown."""
+    from sglang_dspark.scheduling.step_rates import StepRates
+
+    rates = StepRates(window=8, min_samples=2, warmup=0, horizon=10)
+    for _ in range(3):
+        rates.add(16, False, 16.0, 0.04)  # plain steps at a wave's short contexts: 400 tokens/s
+    for _ in range(6):
+        rates.add(16, True, 40.0, 0.1)  # drafted, longer contexts: 400 tokens/s
+    assert rates.rate(16, speculated=False) == (pytest.approx(400.0), 3)
+    for _ in range(3):
+        rates.add(4, True, 12.0, 0.05)  # another batch size's steps age the others too
+    assert rates.rate(16, speculated=False) == (pytest.approx(400.0), 1)
+    assert not rates.known(16, speculated=False) and not rates.speculation_loses(16)
+    for _ in range(2):
+        rates.add(16, False, 16.0, 0.032)  # plain measured again at the contexts of now: 500 tokens/s
+    assert rates.rate(16, speculated=False) == (pytest.approx(500.0), 2)
+    assert rates.rate(16, speculated=True) == (pytest.approx(400.0), 5) and rates.speculation_loses(16)
+    with pytest.raises(ValueError, match="horizon"):
+        StepRates(min_samples=4, horizon=3)
 
 
 def test_one_stalled_plain_sample_among_few_does_not_make_losing_speculation_look_like_a_win():
@@ -557,21 +589,17 @@ def test_where_lookup_drafts_measurably_lose_the_planner_runs_plain_steps():
     """At concurrency 16 steps that skipped the drafter but verified lookup drafts delivered
     386-396 tokens/s against plain steps' 403-417: speculation of any source is checked against
     plain steps, which the planner samples even where its model never drafts."""
-    from sglang_dspark.scheduling.planner import MAX_PROBE_BACKOFF
-
     planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=16)
     plain = _replay_lookups(planner, 400, speculated_step=(20.0, 0.06), plain_step=(16.0, 0.04))
     assert planner.vetoed and planner.plain_step
     late = plain[-200:]
-    assert late.count(False) <= _most_speculated_steps_while_vetoed(200), "only probes and a review speculate"
+    assert late.count(False) <= _most_speculated_steps_while_vetoed(200), "only probes and re-measures speculate"
     assert plain[:60].count(True) >= 12, "plain steps are sampled until their rate is known"
 
 
 def test_where_lookup_drafts_measurably_win_only_a_rare_step_runs_plain():
-    from sglang_dspark.scheduling.planner import MAX_PROBE_BACKOFF
-
     planner = EarlyStopPlanner(affine(0.05, 0.001), gamma=7, explore_every=16)
     plain = _replay_lookups(planner, 800, speculated_step=(24.0, 0.045), plain_step=(16.0, 0.04))
     late = plain[-400:]
-    assert 1 <= late.count(True) <= 400 // (16 * MAX_PROBE_BACKOFF) + 1, late
+    assert 1 <= late.count(True) <= _most_plain_steps_while_speculation_wins(400), late
     assert not planner.vetoed

@@ -52,18 +52,6 @@ re-measuring costs more (at concurrency 16, forgetting after every turnover draf
 steps for 0.88x the tokens/s of never drafting)."""
 
 
-VETO_REVIEW_STEPS = 256
-"""After this many vetoed steps in a row, what speculated steps measured around the batch size
-is forgotten and measured afresh against the plain steps of the veto. While vetoed, only the
-backed-off probes (one in up to 128 steps) add speculated samples, so the speculated side froze
-at its window from the veto's start. Served at concurrency 16 (session 50), a veto that began
-on 4 plain samples from the short contexts at a wave's start (35 ms steps) stood for ~900 steps
-on speculated samples from the long contexts at the previous wave's end, while over the run the
-drafted steps delivered 422 tokens/s in the worker against 385 for the vetoed ones; a run
-without a veto served 1.08x plain, the vetoed ones 0.96x. A review re-measures with ~5-10
-drafted steps, ~3 % of the steps where drafting really loses."""
-
-
 class PlannerError(ValueError):
     """Planner input of the wrong shape or range; the message says what was expected."""
 
@@ -647,9 +635,8 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
     concurrency 1 one request whose drafts paid little (1.3 tokens a step) had otherwise kept
     the next six requests from drafting, 26 % of all steps vetoed; at concurrency 4 one wave's
     last request, vetoed at batch 1, vetoed every later wave's last request (47 % of steps).
-    Any other veto is reviewed after `VETO_REVIEW_STEPS` vetoed steps: the speculated side is
-    measured afresh. Where plain steps have not been measured lately, one speculated step in
-    `explore_every * MAX_PROBE_BACKOFF` runs plain instead (every `explore_every / SKIP_SAMPLE_SPEEDUP` until
+    Where plain steps have not been measured lately, one speculated step in `explore_every *
+    MAX_PROBE_BACKOFF` runs plain instead (every `explore_every / SKIP_SAMPLE_SPEEDUP` until
     `StepRates.min_samples` are known), so the comparison exists wherever the server speculates."""
 
     def __init__(self, cost_model: CostModel | CostModelSlot, gamma: int, *, pool_steps: int = 16,
@@ -669,7 +656,6 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
         self._drafting_lost = False
         self._step_throughput: float | None = None  # lambda of the last `decide`, for `verify_lens`
         self._recorded_requests: frozenset = frozenset()  # the last `record_step`'s batch
-        self._vetoed_in_a_row = 0  # vetoed steps since the veto began or was last reviewed
 
     def _throughput(self, batch: int, context_tokens: float) -> float:
         """lambda: the recent decisions' tokens/s, and never less than a skipped step delivers at
@@ -710,17 +696,10 @@ class EarlyStopPlanner(TwoStepCapacityPlanner):
             # veto's batch size (a wave's last request at 1, say, when the next wave runs at 4)
             self.rates.forget(self._veto_batch, speculated=True)
             self._veto_requests = None
-        speculation_loses = self.rates.speculation_loses(batch)
-        if speculation_loses and self._vetoed_in_a_row >= VETO_REVIEW_STEPS:
-            self.rates.forget(batch, speculated=True)  # measured afresh before the next veto
-            speculation_loses = False
-        self._drafting_lost = speculation_loses
-        if not speculation_loses:
-            self._vetoed_in_a_row = 0
+        speculation_loses = self._drafting_lost = self.rates.speculation_loses(batch)
         if speculation_loses and self._skips + 1 < self._probe_every:
             # a vetoed step (no probe due) runs plain without valuing every width (~0.6 ms of
             # numpy at batch 16 on every step of a saturated server)
-            self._vetoed_in_a_row += 1
             self.vetoed = self.plain_step = True
             self._probing = False
             self._skips += 1
