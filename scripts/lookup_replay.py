@@ -31,8 +31,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dspark_ctl.bench_serve import chat_texts
 from dspark_ctl.serve import ServerLaunch, drafter_or_shipped, prepared_target_path, running
-from sglang_dspark.decoding import SamplingParams, sample_block
 from sglang_dspark.engine.lookup import SequenceLookup
+from sglang_dspark.kernels_cpu.draft_walk import KernelWalk
 from sglang_dspark.model import load_drafter, target_weights_of, taps_from_hidden_states
 from sglang_dspark.training.data import split_prompts
 
@@ -69,22 +69,8 @@ def accepted(proposal: list[int], answer: list[int], start: int) -> int:
     return count
 
 
-def runner_up_branch(drafter, hidden: torch.Tensor, bonus: torch.Tensor, drafts: int) -> list[int]:
-    """The drafter's second-best first draft (greedy walk scores) and the greedy walk on from it
-    over the same block: `drafts` target ids, the other branch of a two-branch tree."""
-    d2t = drafter.d2t
-    to_target = (lambda ids: ids) if d2t is None else (lambda ids: d2t[ids])
-    bias, _ = drafter.markov_bias(bonus, hidden[:, 0])
-    first = to_target((drafter.base_logits(hidden[:, 0]).float() + bias.float()).topk(2, dim=-1).indices[:, 1])
-    branch, prev = [int(first)], first
-    for slot in range(1, drafts):
-        bias, _ = drafter.markov_bias(prev, hidden[:, slot])
-        prev = to_target((drafter.base_logits(hidden[:, slot]).float() + bias.float()).argmax(-1))
-        branch.append(int(prev))
-    return branch
-
-
-def replay(answer: dict, target, drafter, gamma: int, branch_drafts: int) -> list[tuple[int, int, int]]:
+def replay(answer: dict, target, drafter, kernel_walk: KernelWalk, gamma: int,
+           branch_drafts: int) -> list[tuple[int, int, int]]:
     """Per round start t: (drafter's accepted drafts, lookup's accepted drafts or -1 without a
     lookup, the runner-up branch's accepted drafts)."""
     prompt, output = answer["prompt_ids"], answer["output_ids"]
@@ -92,18 +78,17 @@ def replay(answer: dict, target, drafter, gamma: int, branch_drafts: int) -> lis
     taps = taps_from_hidden_states(hidden, list(drafter.target_layer_ids))[0]
     cache, slot = drafter.new_cache(num_slots=1, capacity=len(prompt) + len(output) + 16), torch.tensor([0])
     drafter.append_context(cache, slot, taps[: len(prompt)], torch.tensor([len(prompt)]))
-    lookup, greedy = SequenceLookup(prompt), SamplingParams(
-        temperature=torch.zeros(1), top_p=torch.ones(1), top_k=torch.zeros(1, dtype=torch.long))
+    lookup = SequenceLookup(prompt)
     rounds = []
     for t in range(len(output) - 1):
         bonus = torch.tensor([output[t]])
-        hidden_block = drafter.forward_block(cache, slot, bonus)
-        block = sample_block(drafter, hidden_block, bonus, greedy)
+        # the chain and the runner-up branch as the server walks them (`KernelWalk`)
+        block, branch = kernel_walk.greedy_with_branch(drafter.forward_block(cache, slot, bonus), bonus,
+                                                       branch_drafts)
         proposal = lookup.propose(output[t], gamma)
-        branch = runner_up_branch(drafter, hidden_block, bonus, branch_drafts)
         rounds.append((accepted(block.tokens[0].tolist(), output, t + 1),
                        accepted(proposal, output, t + 1) if proposal else -1,
-                       accepted(branch, output, t + 1)))
+                       accepted(branch[0].tolist(), output, t + 1)))
         drafter.append_context(cache, slot, taps[len(prompt) + t: len(prompt) + t + 1], torch.tensor([1]))
         lookup.extend([output[t]])
     return rounds
@@ -141,6 +126,7 @@ def main() -> None:
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     drafter = load_drafter(drafter_or_shipped(args.drafter), target=target_weights_of(target)).float().eval()
     gamma = drafter.gamma
+    kernel_walk = KernelWalk(drafter)
     if not 1 <= args.branch_drafts <= gamma:
         parser.error(f"--branch-drafts {args.branch_drafts}: expected 1..gamma={gamma}")
     chain = gamma + 1 - args.branch_drafts
@@ -150,7 +136,8 @@ def main() -> None:
                 "drafter_and_branch": (False, chain), "with_lookup_and_branch": (True, chain)}
     with torch.no_grad():
         for domain in DOMAINS:
-            rounds = [replay(a, target, drafter, gamma, args.branch_drafts) for a in answers if a["domain"] == domain]
+            rounds = [replay(a, target, drafter, kernel_walk, gamma, args.branch_drafts)
+                      for a in answers if a["domain"] == domain]
             flat = [r for answer in rounds for r in answer]
             tau = {}
             for name, policy in policies.items():

@@ -489,9 +489,10 @@ class DSparkLiveWorker(BaseSpecWorker):
     def _branch(self, branch: torch.Tensor | None, plan) -> tuple[torch.Tensor | None, object]:
         """The walked runner-up branch where the plan verifies the chain, and the plan with its
         chain cut to make room; (None, plan) where no branch applies. The branch is the drafter's
-        runner-up first draft and the walk on from it over the same block: at batch 1 a verify of
-        3-7 rows costs the same, and a second first draft is right 11-14 % of the time where the
-        chain's is not (`scripts/lookup_replay.py`)."""
+        runner-up first draft and the walk on from it over the same block: at batch 1 a verify row
+        costs ~0.5 ms of a ~22 ms forward (2 rows 21.7 ms, 4 rows 22.9, 8 rows 24.5, session 51),
+        and the runner-up is the target's choice in ~11 % of the rounds, all where the chain's
+        first draft is not (`scripts/lookup_replay.py`; served: 105 of 931 rounds)."""
         if branch is None or int(plan.verify_lens[0]) < 1:
             return None, plan
         drafts = len(branch)

@@ -19,9 +19,11 @@ the planner drafted at 0.93x plain serving's throughput.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import deque
+from collections.abc import Iterator
 
 
 PLAIN, SPECULATED = 0, 1
@@ -87,15 +89,11 @@ class StepRates:
         return [self._steps[size][kind] for size in range(max(1, batch_size - reach), batch_size + reach + 1)
                 if size in self._steps]
 
-    def _recent(self, window: deque) -> list[tuple[int, float, float]]:
-        """The window's steps within the horizon (newest last, so the scan stops at the first stale one)."""
+    def _recent(self, window: deque) -> Iterator[tuple[int, float, float]]:
+        """The window's steps within the horizon, newest first (the scan stops at the first stale
+        one, and `known` counts them without a copy: it is asked on every decode step)."""
         oldest = self._recorded - self.horizon
-        recent = []
-        for step in reversed(window):
-            if step[0] <= oldest:
-                break
-            recent.append(step)
-        return recent
+        return itertools.takewhile(lambda step: step[0] > oldest, reversed(window))
 
     def _pooled(self, batch_size: int, kind: int) -> list[tuple[float, float]]:
         return [(tokens, seconds) for window in self._pooled_windows(batch_size, kind)
@@ -119,7 +117,8 @@ class StepRates:
     def known(self, batch_size: int, speculated: bool) -> bool:
         """At least `min_samples` steps of this kind were measured around `batch_size` lately (`horizon`)."""
         kind = SPECULATED if speculated else PLAIN
-        return sum(len(self._recent(window)) for window in self._pooled_windows(batch_size, kind)) >= self.min_samples
+        recent = sum(1 for window in self._pooled_windows(batch_size, kind) for _ in self._recent(window))
+        return recent >= self.min_samples
 
     def speculation_loses(self, batch_size: int) -> bool:
         """Both kinds are known around `batch_size` and speculated steps delivered more than
