@@ -3,7 +3,7 @@
 `register()` (1) installs the pure-torch `sgl_kernel` stand-in when SGLang's CPU engine is requested
 and the CUDA-only PyPI build cannot load, (2) on the CPU engine, lays out the target's linear
 weights for small batches after loading (`kernels_cpu.gemm_layout`: column-major float32 and
-weight panels, 2-4x faster 2-32-row GEMMs), routes decode attention through a kernel that
+weight panels, 2-4x faster 2-32-row GEMMs), routes decode and prefill attention through a kernel that
 reads the KV cache in place (`kernels_cpu.cpu_attention`) and RMSNorm, rotary embedding and
 SiLU-and-multiply through one-call kernels (`kernels_cpu.layer_hooks`), in plain and speculative servers alike, and (3) registers the speculative algorithm `DSPARK_LIVE` (overlap-capable, V2 result schema). Serving then needs only:
 
@@ -42,7 +42,8 @@ def register() -> None:
         if cpu_engine_requested():
             import torch
 
-            from sglang_dspark.kernels_cpu.cpu_attention import DECODE_TARGET, around_forward_decode, attention_mode
+            from sglang_dspark.kernels_cpu.cpu_attention import (DECODE_TARGET, EXTEND_TARGET, around_forward_decode,
+                                                                around_forward_extend, attention_mode)
             from sglang_dspark.kernels_cpu.gemm_layout import after_load_model, gemm_layout_mode, panel_rows_setting
             from sglang_dspark.kernels_cpu.layer_hooks import (RMSNORM_TARGET, ROTARY_TARGET, SILU_AND_MUL_TARGET,
                                                                around_rmsnorm, around_rotary, around_silu_and_mul,
@@ -55,6 +56,7 @@ def register() -> None:
             HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model",
                                   after_load_model, HookType.AFTER)
             HookRegistry.register(DECODE_TARGET, around_forward_decode, HookType.AROUND)
+            HookRegistry.register(EXTEND_TARGET, around_forward_extend, HookType.AROUND)
             HookRegistry.register(RMSNORM_TARGET, around_rmsnorm, HookType.AROUND)
             HookRegistry.register(ROTARY_TARGET, around_rotary, HookType.AROUND)
             HookRegistry.register(SILU_AND_MUL_TARGET, around_silu_and_mul, HookType.AROUND)

@@ -162,7 +162,7 @@ def test_plain_and_speculative_cpu_servers_get_the_same_cpu_kernels(servers):
         log = servers[name].log_path.read_text(errors="replace")
         assert re.search(r"[1-9]\d* float32 linear weights stored column-major", log), name
         assert re.search(r"[1-9]\d* linears multiply small batches through weight panels", log), name
-        assert "decode and verify attention read the KV cache in place" in log, name
+        assert "decode, prefill and verify attention read the KV cache in place" in log, name
         assert "RMSNorm, rotary embedding and SiLU-and-multiply run as one kernel call each" in log, name
 
 

@@ -184,3 +184,64 @@ def test_dspark_ctl_bench_attention_refuses_an_unknown_dtype_or_window():
         result = CliRunner().invoke(app, ["bench", "attention", *arguments])
         assert result.exit_code == 2, result.output
         assert message in result.output
+
+
+def _extend_batch(req_to_token, pool_rows, spans, mode="EXTEND", host_lists=True):
+    return SimpleNamespace(
+        forward_mode=SimpleNamespace(name=mode), req_pool_indices=torch.tensor(pool_rows), encoder_lens=None,
+        extend_prefix_lens_cpu=[p for p, _ in spans] if host_lists else None,
+        extend_seq_lens_cpu=[w for _, w in spans] if host_lists else None,
+        out_cache_loc=torch.cat([req_to_token[r, p:p + w] for r, (p, w) in zip(pool_rows, spans)]).long())
+
+
+@pytest.mark.skipif(not vector_isa_supported(), reason="the kernel needs AVX-512F or AVX2 + FMA, which this CPU lacks")
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_prefill_hook_writes_the_new_kv_and_attends_each_prompt_over_its_cached_prefix(monkeypatch, dtype, tolerance):
+    """A radix hit (40 cached tokens + 1), a fresh prompt and a chunk after a cached prefix in one
+    extend: each new token sees the prefix and the new tokens up to itself."""
+    monkeypatch.delenv("DSPARK_CPU_ATTENTION", raising=False)
+    cpu_attention.kernel_enabled.cache_clear()
+    k_cache, v_cache, req_to_token = _cache(dtype, 2, 16)
+    backend = SimpleNamespace(token_to_kv_pool=FakeKVPool(k_cache, v_cache),
+                              req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
+    spans, pool_rows = [(40, 1), (0, 6), (12, 3)], [1, 3, 0]
+    batch = _extend_batch(req_to_token, pool_rows, spans)
+    q, k, v = (torch.randn(10, 4 * 16).to(dtype), torch.randn(10, 2, 16).to(dtype), torch.randn(10, 2, 16).to(dtype))
+
+    def sglang_extend(*args, **kwargs):
+        pytest.fail("a prefill the kernel serves went to SGLang's extend")
+
+    out = cpu_attention.around_forward_extend(sglang_extend, backend, q, k, v, _layer(0), batch)
+    assert torch.equal(k_cache[batch.out_cache_loc], k) and torch.equal(v_cache[batch.out_cache_loc], v)
+    want = _reference(q.view(10, 4, 16), k_cache, v_cache, req_to_token, spans, pool_rows, 16**-0.5)
+    torch.testing.assert_close(out.double(), want.view(10, 64), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("case", ["long_fresh_prompt", "verify", "no_host_lists", "sliding_window", "sdpa_mode"])
+def test_prefills_the_kernel_does_not_win_or_serve_keep_sglangs_extend(monkeypatch, case):
+    monkeypatch.delenv("DSPARK_CPU_ATTENTION", raising=False)
+    if case == "sdpa_mode":
+        monkeypatch.setenv("DSPARK_CPU_ATTENTION", "sdpa")
+    cpu_attention.kernel_enabled.cache_clear()
+    k_cache, v_cache, req_to_token = _cache(torch.float32, 2, 16, rows=4096)
+    req_to_token = torch.randperm(4095)[:2 * 2000].add(1).to(torch.int32).view(2, 2000)
+    backend = SimpleNamespace(token_to_kv_pool=FakeKVPool(k_cache, v_cache),
+                              req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
+    # a fresh prompt past KERNEL_EXTEND_MAX_FRESH_WINDOW beside a radix hit: the whole forward keeps SDPA
+    spans = [(0, 1100), (30, 1)] if case == "long_fresh_prompt" else [(30, 2)]
+    batch = _extend_batch(req_to_token, [0, 1][:len(spans)], spans, mode="TARGET_VERIFY" if case == "verify" else "EXTEND",
+                          host_lists=case != "no_host_lists")
+    rows = sum(w for _, w in spans)
+    calls = []
+    cpu_attention.around_forward_extend(lambda *args, **kwargs: calls.append(args) or "sglang", backend,
+                                        torch.randn(rows, 64), None, None,
+                                        _layer(0, sliding_window_size=8 if case == "sliding_window" else None), batch)
+    cpu_attention.kernel_enabled.cache_clear()
+    assert len(calls) == 1
+
+
+def test_a_long_new_chunk_after_a_longer_cached_prefix_still_goes_to_the_kernel():
+    """SDPA pads the queries to prefix + window, so past a prefix as long as the window the kernel wins at any length."""
+    assert cpu_attention.kernel_serves_extend([(0, 1024), (5000, 1), (2000, 1500)])
+    assert not cpu_attention.kernel_serves_extend([(0, 1025)])
+    assert not cpu_attention.kernel_serves_extend([(1000, 1500), (3, 1)])
