@@ -38,6 +38,10 @@ app.command("serve")(serve_command)
 bench_app.command("serve")(bench_serve_command)
 bench_app.command("sps-serve")(sps_serve_command)
 
+from dspark_ctl.bench_prefix import bench_prefix_command  # noqa: E402
+
+bench_app.command("prefix")(bench_prefix_command)
+
 
 def main() -> None:
     """Console-script entry point."""
