@@ -22,7 +22,7 @@ from pathlib import Path
 
 import typer
 
-from dspark_ctl.bench_serve import arm_base, arm_launch, parse_arm_env, parse_arms
+from dspark_ctl.bench_serve import arm_base, arm_launch, http_client, parse_arm_env, parse_arms
 from dspark_ctl.serve import ServerLaunch, drafter_or_shipped, prepared_target_path, running
 
 
@@ -40,17 +40,16 @@ def prefix_text(model_path: str, tokens: int) -> str:
 
 def time_prefix(url: str, prefix: str, requests: int, max_new_tokens: int) -> dict:
     """Cache `prefix` with one request, then time `requests` requests that each extend it by their own line."""
-    import httpx
+    with http_client() as client:
+        def generate(text: str) -> tuple[float, dict]:
+            started = time.perf_counter()
+            reply = client.post(f"{url}/generate", json={
+                "text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}})
+            reply.raise_for_status()
+            return time.perf_counter() - started, reply.json()["meta_info"]
 
-    def generate(text: str) -> tuple[float, dict]:
-        started = time.perf_counter()
-        reply = httpx.post(f"{url}/generate", timeout=1800, json={
-            "text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}})
-        reply.raise_for_status()
-        return time.perf_counter() - started, reply.json()["meta_info"]
-
-    generate(prefix)
-    timed = [generate(f"{prefix}\n# request {i}: what does this do?\n") for i in range(requests)]
+        generate(prefix)
+        timed = [generate(f"{prefix}\n# request {i}: what does this do?\n") for i in range(requests)]
     seconds = [s for s, _ in timed]
     return {"seconds_median": statistics.median(seconds), "seconds_min": min(seconds), "seconds_max": max(seconds),
             "prompt_tokens": statistics.median(meta["prompt_tokens"] for _, meta in timed),

@@ -64,6 +64,7 @@ prompts = {
     "chat": ["Hi! How are you today?", "Can you recommend a good book for a long train ride?"],
 }
 tokenizer = AutoTokenizer.from_pretrained(target)
+client = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=8))  # open connections, as a serving client keeps
 
 
 def ask(domain_prompt):
@@ -71,7 +72,7 @@ def ask(domain_prompt):
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True)
     started = time.perf_counter()
-    reply = httpx.post(f"{url}/generate", timeout=600, json={
+    reply = client.post(f"{url}/generate", json={
         "text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": 128}}).json()
     return domain, prompt, reply, time.perf_counter() - started
 
