@@ -23,7 +23,8 @@ from pathlib import Path
 import typer
 
 from dspark_ctl.bench_serve import arm_base, arm_launch, http_client, parse_arm_env, parse_arms
-from dspark_ctl.serve import ServerLaunch, drafter_or_shipped, prepared_target_path, running
+from dspark_ctl.serve import (DEVICE_OPTION, DRAFTER_OPTION, TARGET_OPTION, ServerLaunch, drafter_or_shipped,
+                             prepared_target_path, running)
 
 
 def prefix_text(model_path: str, tokens: int) -> str:
@@ -96,8 +97,8 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def bench_prefix_command(
-    model_path: str = typer.Option(None, "--model-path", help="Target folder (default: the prepared SmolLM2)."),
-    drafter: str = typer.Option(None, "--drafter", help="Drafter folder (default: the shipped one)."),
+    model_path: str = TARGET_OPTION,
+    drafter: str = DRAFTER_OPTION,
     contexts: str = typer.Option("200,1000,2000,3500", help="Cached prefix lengths in tokens, comma-separated."),
     requests: int = typer.Option(8, min=1, help="Timed requests per arm and length (the median is reported)."),
     max_new_tokens: int = typer.Option(1, min=1, help="Output tokens per request (1: time to the first token)."),
@@ -106,7 +107,7 @@ def bench_prefix_command(
                                       help="ARM:KEY=VALUE, an environment variable for one arm's server "
                                            "(repeatable), e.g. plain.sdpa:DSPARK_CPU_ATTENTION=sdpa."),
     dtype: str = typer.Option("bfloat16", help="Same dtype for every arm."),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
+    device: str = DEVICE_OPTION,
     port: int = typer.Option(30100, help="Port of the first arm's server (the others follow)."),
     plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of latency against cached length."),
     out: Path = typer.Option(None, "--out", help="Also write the JSON report to this file."),

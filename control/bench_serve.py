@@ -25,7 +25,8 @@ from pathlib import Path
 
 import typer
 
-from dspark_ctl.serve import ServerLaunch, drafter_or_shipped, prepared_target_path, running
+from dspark_ctl.serve import (DEVICE_OPTION, DRAFTER_OPTION, TARGET_OPTION, ServerLaunch, drafter_or_shipped,
+                             prepared_target_path, running)
 
 DOMAINS = ("math", "code", "chat")
 
@@ -509,8 +510,8 @@ def plot(report: dict, path: Path) -> None:
 
 
 def bench_serve_command(
-    model_path: str = typer.Option(None, "--model-path", help="Target folder (default: the prepared SmolLM2)."),
-    drafter: str = typer.Option(None, "--drafter", help="Drafter folder (default: the shipped one)."),
+    model_path: str = TARGET_OPTION,
+    drafter: str = DRAFTER_OPTION,
     concurrency: str = typer.Option("1,4,16", help="Comma-separated concurrency levels."),
     repeats: int = typer.Option(3, min=1, help="Waves per cell (the median is reported)."),
     warmup_waves: int = typer.Option(1, min=0, help="Unmeasured waves per arm before each concurrency's "
@@ -535,7 +536,7 @@ def bench_serve_command(
                                       help="More SGLang sampling parameters of every request, as a JSON object, e.g. "
                                            "'{\"json_schema\": \"...\"}' or '{\"frequency_penalty\": 0.5}'."),
     dtype: str = typer.Option("bfloat16", help="Same dtype for both arms."),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
+    device: str = DEVICE_OPTION,
     overlap: bool = typer.Option(True, "--overlap/--no-overlap",
                                  help="SGLang's overlap scheduler in every arm's server (--no-overlap passes "
                                       "--disable-overlap-schedule to all of them)."),
@@ -679,13 +680,13 @@ def plot_sps(probes: list, model, path: Path) -> None:
 
 def sps_serve_command(
     out: Path = typer.Option(..., "--out", help="Cost model JSON to write (DSPARK_SPS_PATH / <draft>/sps.json)."),
-    model_path: str = typer.Option(None, "--model-path", help="Target folder (default: the prepared SmolLM2)."),
-    drafter: str = typer.Option(None, "--drafter", help="Drafter folder (default: the shipped one)."),
+    model_path: str = TARGET_OPTION,
+    drafter: str = DRAFTER_OPTION,
     concurrency: str = typer.Option("1,2,4,8,16", help="Batch sizes to sweep (concurrent requests)."),
     max_new_tokens: int = typer.Option(64, min=8, help="Output tokens per request (steps per wave)."),
     long_tokens: int = typer.Option(1200, min=16, help="Context of the long prompts."),
     dtype: str = typer.Option("bfloat16", help="The dtype the server will serve in."),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
+    device: str = DEVICE_OPTION,
     port: int = typer.Option(30100, help="Port of the profiled server."),
     from_log: Path = typer.Option(None, "--from-log", help="Fit from this DSPARK_STEP_LOG file instead of running a sweep."),
     plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of the measured and fitted SPS curves."),

@@ -143,13 +143,19 @@ def stop(process: subprocess.Popen) -> None:
             process.wait(timeout=10)
 
 
+TARGET_OPTION = typer.Option(None, "--model-path", help="Target folder (default: the prepared SmolLM2).")
+DRAFTER_OPTION = typer.Option(None, "--drafter", help="Drafter folder (default: the shipped one).")
+DEVICE_OPTION = typer.Option("cpu", help="cpu or cuda.")
+"""Options every command that starts servers takes alike (serve, bench serve, bench sps-serve, bench prefix)."""
+
+
 def serve_command(
-    model_path: str = typer.Option(None, "--model-path", help="Target folder (default: the prepared SmolLM2)."),
-    drafter: str = typer.Option(None, "--drafter", help="Drafter folder (default: the shipped one)."),
+    model_path: str = TARGET_OPTION,
+    drafter: str = DRAFTER_OPTION,
     no_speculation: bool = typer.Option(False, "--no-speculation", help="Serve the target alone."),
     port: int = typer.Option(30000, help="HTTP port."),
     host: str = typer.Option("127.0.0.1", help="Bind address."),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
+    device: str = DEVICE_OPTION,
     dtype: str = typer.Option("bfloat16", help="Weights and activations dtype (bfloat16: the plugin's weight panels stream half the bytes of float32, so on this CPU it serves faster and verifies drafts cheaper; on the CPU engine greedy answers equal non-speculative serving bit for bit in either dtype: the plugin computes verify rows exactly like decode rows)."),
     overlap: bool = typer.Option(True, "--overlap/--no-overlap", help="SGLang overlap scheduling."),
     print_command: bool = typer.Option(False, "--print-command", help="Print the plain SGLang command, do not run."),

@@ -92,13 +92,21 @@ def around_forward_decode(original, backend, q, k, v, layer, forward_batch, save
     if (kwargs or forward_batch.encoder_lens is not None
             or not layer_fits(layer, q.dtype, backend.token_to_kv_pool.get_key_buffer(layer.layer_id).dtype)):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    return _write_kv_and_attend(backend, q, k, v, layer, forward_batch, save_kv_cache, "_dspark_decode_layouts",
+                                decode_spans)
+
+
+def _write_kv_and_attend(backend, q, k, v, layer, forward_batch, save_kv_cache: bool, layouts_name: str,
+                         spans_of) -> torch.Tensor:
+    """What SGLang's own decode and extend do, through the kernel: write the new tokens' KV, then
+    attend each query row over the cache rows it may see (one layout per forward, per kind)."""
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
     if save_kv_cache and k is not None and v is not None:
         backend.token_to_kv_pool.set_kv_buffer(
             layer, KVWriteLoc(forward_batch.out_cache_loc, getattr(backend, "swa_out_cache_loc", None)), k, v)
-    layouts = backend.__dict__.setdefault("_dspark_decode_layouts", LayoutPerForward())
-    return attend_in_place(backend, q, layer, forward_batch, layouts, decode_spans)
+    layouts = backend.__dict__.setdefault(layouts_name, LayoutPerForward())
+    return attend_in_place(backend, q, layer, forward_batch, layouts, spans_of)
 
 
 def extend_spans(forward_batch) -> list[tuple[int, int]] | None:
@@ -125,10 +133,5 @@ def around_forward_extend(original, backend, q, k, v, layer, forward_batch, save
     if (spans is None or sum(window for _, window in spans) != q.shape[0] or not kernel_serves_extend(spans)
             or not layer_fits(layer, q.dtype, backend.token_to_kv_pool.get_key_buffer(layer.layer_id).dtype)):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-
-    if save_kv_cache and k is not None and v is not None:
-        backend.token_to_kv_pool.set_kv_buffer(
-            layer, KVWriteLoc(forward_batch.out_cache_loc, getattr(backend, "swa_out_cache_loc", None)), k, v)
-    layouts = backend.__dict__.setdefault("_dspark_extend_layouts", LayoutPerForward())
-    return attend_in_place(backend, q, layer, forward_batch, layouts, lambda _: spans)
+    return _write_kv_and_attend(backend, q, k, v, layer, forward_batch, save_kv_cache, "_dspark_extend_layouts",
+                                lambda _: spans)
