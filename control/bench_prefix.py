@@ -22,21 +22,22 @@ from pathlib import Path
 
 import typer
 
-from dspark_ctl.bench_serve import arm_base, arm_launch, http_client, parse_arm_env, parse_arms
+from dspark_ctl.bench_serve import ARM_ENV_OPTION, arm_base, arm_launch, http_client, parse_arm_env, parse_arms
 from dspark_ctl.serve import (DEVICE_OPTION, DRAFTER_OPTION, TARGET_OPTION, ServerLaunch, drafter_or_shipped,
                              prepared_target_path, running)
 
 
-def prefix_text(model_path: str, tokens: int) -> str:
-    """The first `tokens` tokens (the target's tokenizer) of Python's `argparse` source, as text."""
+def prefix_texts(model_path: str, lengths: list[int]) -> dict[int, str]:
+    """Per length, the first that many tokens (the target's tokenizer) of Python's `argparse`
+    source, as text; the source is tokenized once for all lengths."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     source = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()
     ids = tokenizer(source, add_special_tokens=False)["input_ids"]
-    if len(ids) < tokens:
-        raise ValueError(f"a cached prefix of {tokens} tokens: argparse.py has only {len(ids)}")
-    return tokenizer.decode(ids[:tokens])
+    if max(lengths) > len(ids):
+        raise ValueError(f"a cached prefix of {max(lengths)} tokens: argparse.py has only {len(ids)}")
+    return {length: tokenizer.decode(ids[:length]) for length in lengths}
 
 
 def time_prefix(url: str, prefix: str, requests: int, max_new_tokens: int) -> dict:
@@ -103,9 +104,7 @@ def bench_prefix_command(
     requests: int = typer.Option(8, min=1, help="Timed requests per arm and length (the median is reported)."),
     max_new_tokens: int = typer.Option(1, min=1, help="Output tokens per request (1: time to the first token)."),
     arms: str = typer.Option("plain,dspark", help="Arms side by side (plain, nodraft, dspark, or variants)."),
-    arm_env: list[str] = typer.Option([], "--arm-env", metavar="ARM:KEY=VALUE",
-                                      help="ARM:KEY=VALUE, an environment variable for one arm's server "
-                                           "(repeatable), e.g. plain.sdpa:DSPARK_CPU_ATTENTION=sdpa."),
+    arm_env: list[str] = ARM_ENV_OPTION,
     dtype: str = typer.Option("bfloat16", help="Same dtype for every arm."),
     device: str = DEVICE_OPTION,
     port: int = typer.Option(30100, help="Port of the first arm's server (the others follow)."),
@@ -122,7 +121,7 @@ def bench_prefix_command(
         typer.echo("error: no drafter given and none shipped; pass --drafter PATH or --arms plain", err=True)
         raise typer.Exit(code=2)
     try:
-        prefixes = {length: prefix_text(target, length) for length in lengths}
+        prefixes = prefix_texts(target, lengths)
     except ValueError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(code=2) from None

@@ -125,6 +125,12 @@ ARMS = {
 SGLang from what the drafts gain: `dspark / nodraft` is the speculation's own share."""
 
 
+ARM_ENV_OPTION = typer.Option([], "--arm-env", metavar="ARM:KEY=VALUE",
+                              help="ARM:KEY=VALUE, an environment variable for one arm's server (repeatable), "
+                                   "e.g. dspark.column:DSPARK_CPU_GEMM_LAYOUT=column or plain.sdpa:DSPARK_CPU_ATTENTION=sdpa.")
+"""`--arm-env` of every benchmark that runs arms side by side (`bench serve`, `bench prefix`)."""
+
+
 def arm_base(arm: str) -> str:
     """`dspark.column` is a variant of `dspark` (its own server, its own `--arm-env`)."""
     return arm.split(".", 1)[0]
@@ -544,9 +550,7 @@ def bench_serve_command(
     arms: str = typer.Option("plain,nodraft,dspark",
                              help="Arms to run side by side (plain, nodraft, dspark, or a variant such as "
                                   "dspark.column; empty: only --verify-cost)."),
-    arm_env: list[str] = typer.Option([], "--arm-env", metavar="ARM:KEY=VALUE",
-                                      help="ARM:KEY=VALUE, an environment variable for one arm's server "
-                                           "(repeatable), e.g. dspark.column:DSPARK_CPU_GEMM_LAYOUT=column."),
+    arm_env: list[str] = ARM_ENV_OPTION,
     verify_cost_contexts: str = typer.Option("", "--verify-cost", help="e.g. 200,2000: also time the verify step."),
     as_json: bool = typer.Option(True, "--json/--no-json", help="Print the report as JSON (--no-json: tables)."),
     plot_path: Path = typer.Option(None, "--plot", help="Write a PNG of throughput vs concurrency."),

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from dspark_ctl.bench_prefix import prefix_text, time_prefix
+from dspark_ctl.bench_prefix import prefix_texts, time_prefix
 from dspark_ctl.cli import app
 
 
 @pytest.mark.server
 def test_requests_after_a_cached_prefix_are_timed_on_the_prefix_the_server_reused(baseline_server, tiny_serving_models):
-    prefix = prefix_text(str(tiny_serving_models[0]), 300)
+    prefix = prefix_texts(str(tiny_serving_models[0]), [300])[300]
     cell = time_prefix(baseline_server.url, prefix, requests=3, max_new_tokens=1)
     # each request extends the cached prefix by its own line: the server reuses the prefix, not the whole prompt
     assert 290 <= cell["cached_tokens"] < cell["prompt_tokens"]
@@ -22,10 +22,12 @@ def test_the_prefix_is_cut_to_the_tokens_asked_and_a_length_past_the_source_is_r
     from transformers import AutoTokenizer
 
     target = str(tiny_serving_models[0])
-    text = prefix_text(target, 120)
-    assert abs(len(AutoTokenizer.from_pretrained(target)(text, add_special_tokens=False)["input_ids"]) - 120) <= 2
+    texts = prefix_texts(target, [40, 120])
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    for length, text in texts.items():
+        assert abs(len(tokenizer(text, add_special_tokens=False)["input_ids"]) - length) <= 2
     with pytest.raises(ValueError, match="argparse.py has only"):
-        prefix_text(target, 10**7)
+        prefix_texts(target, [100, 10**7])
 
 
 @pytest.mark.parametrize("arguments, message", [(["--contexts", "2k"], "expected comma-separated token counts"),

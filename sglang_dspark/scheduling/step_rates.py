@@ -117,8 +117,8 @@ class StepRates:
     def known(self, batch_size: int, speculated: bool) -> bool:
         """At least `min_samples` steps of this kind were measured around `batch_size` lately (`horizon`)."""
         kind = SPECULATED if speculated else PLAIN
-        recent = sum(1 for window in self._pooled_windows(batch_size, kind) for _ in self._recent(window))
-        return recent >= self.min_samples
+        recent = itertools.chain.from_iterable(self._recent(window) for window in self._pooled_windows(batch_size, kind))
+        return sum(1 for _ in itertools.islice(recent, self.min_samples)) == self.min_samples  # stops at enough
 
     def speculation_loses(self, batch_size: int) -> bool:
         """Both kinds are known around `batch_size` and speculated steps delivered more than
