@@ -71,6 +71,29 @@ def test_a_verify_row_gets_the_bits_of_the_decode_step_that_sees_the_same_keys(d
         row += window
 
 
+TREE_ANCESTRIES = [[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 3, 4], [0, 2, 5]]  # rows of a tree window, root to row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tree_row_sees_the_prefix_and_its_own_ancestry_with_the_bits_of_a_decode_step(dtype):
+    """A tree window (`KeyLayout.for_tree`): each row equals float64 attention over the prefix and
+    its ancestry's keys, and equals bit for bit the decode step whose sequence is that path (what
+    the request's row holds once the path is accepted and its slots moved into place)."""
+    k, v, req_to_token = _cache(dtype, 3, 64)
+    prefix, window = req_to_token[2, :150], req_to_token[2, 150:156]
+    layout = KeyLayout.for_tree(prefix, window, TREE_ANCESTRIES, cache_rows=k.shape[0])
+    q = torch.randn(layout.rows, 9, 64).to(dtype)
+    out = paged_attention(q, k, v, layout, 0.125)
+    for row, ancestry in enumerate(TREE_ANCESTRIES):
+        path = torch.cat((prefix, window[ancestry])).view(1, -1)
+        want = _reference(q[row : row + 1], k, v, path, [(path.shape[1] - 1, 1)], [0], 0.125)
+        torch.testing.assert_close(out[row : row + 1].double(), want, rtol=2e-2, atol=2e-2)
+        decode = KeyLayout.build(path, [0], [(path.shape[1] - 1, 1)], cache_rows=k.shape[0])
+        assert torch.equal(paged_attention(q[row : row + 1], k, v, decode, 0.125), out[row : row + 1]), f"row {row}"
+    with pytest.raises(ValueError, match="ancestries for a window of 6 rows"):
+        KeyLayout.for_tree(prefix, window, TREE_ANCESTRIES[:4], cache_rows=k.shape[0])
+
+
 def test_layout_refuses_slots_outside_the_cache():
     req_to_token = torch.tensor([[5, 6, 99]], dtype=torch.int32)
     with pytest.raises(ValueError, match="outside a cache of 50 rows"):

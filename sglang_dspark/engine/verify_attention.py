@@ -19,13 +19,15 @@ method unchanged.
 from __future__ import annotations
 
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_dspark.kernels_cpu.cpu_attention import attend_in_place, layer_fits, plain_self_attention
-from sglang_dspark.kernels_cpu.paged_attention import LayoutPerForward
+from sglang_dspark.kernels_cpu.paged_attention import KeyLayout, LayoutPerForward, paged_attention
 
 
 def verify_spans(forward_batch) -> list[tuple[int, int]] | None:
@@ -136,6 +138,8 @@ def install(backend) -> None:
 
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        if self._dspark_tree_layout is not None:
+            return _attend_tree(self, q, layer, k_cache, self._dspark_tree_layout)
         if layer_fits(layer, q.dtype, k_cache.dtype):
             return attend_in_place(self, q, layer, forward_batch, self._dspark_kernel_layouts, verify_spans)
         group = layer.tp_q_head_num // layer.tp_k_head_num
@@ -151,6 +155,30 @@ def install(backend) -> None:
     backend._dspark_kernel_layouts = LayoutPerForward()
     backend._dspark_sdpa_layouts = LayoutPerForward()
     backend.dspark_linear_verify_calls = 0
+    backend._dspark_tree_layout = None
+
+
+@contextmanager
+def tree_window(backends, layout: KeyLayout) -> Iterator[None]:
+    """Within this block, the verify forwards of `backends` (installed ones) attend through
+    `layout`: one request whose window holds a tree of drafts, each row seeing its own ancestry
+    (`KeyLayout.for_tree`), which no (prefix, window) span can say."""
+    for backend in backends:
+        backend._dspark_tree_layout = layout
+    try:
+        yield
+    finally:
+        for backend in backends:
+            backend._dspark_tree_layout = None
+
+
+def _attend_tree(backend, q, layer, k_cache, layout: KeyLayout) -> torch.Tensor:
+    if not layer_fits(layer, q.dtype, k_cache.dtype):  # the worker only grows trees where the kernel serves
+        raise RuntimeError(f"DSPARK_LIVE tree verify: layer {layer.layer_id} ({q.dtype}, cache {k_cache.dtype}) is "
+                           "not served by the paged attention kernel")
+    out = paged_attention(q.view(-1, layer.tp_q_head_num, layer.qk_head_dim), k_cache,
+                          backend.token_to_kv_pool.get_value_buffer(layer.layer_id), layout, layer.scaling)
+    return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
 
 def linear_calls(backends) -> int:

@@ -79,6 +79,26 @@ class KeyLayout:
         return cls(spans=list(spans), slots=slots, key_start=torch.tensor(starts, dtype=torch.int64),
                    key_count=torch.tensor(counts, dtype=torch.int64))
 
+    @classmethod
+    def for_tree(cls, prefix_slots: torch.Tensor, window_slots: torch.Tensor, ancestries: list[list[int]],
+                 cache_rows: int) -> "KeyLayout":
+        """One request's verify window holding a tree of drafts (`decoding.tree`): window row r sees
+        the prefix and the window rows of `ancestries[r]` (root to r), each row its own key list.
+        Raises ValueError if a slot lies outside the cache."""
+        if len(ancestries) != window_slots.numel():
+            raise ValueError(f"{len(ancestries)} ancestries for a window of {window_slots.numel()} rows")
+        prefix_slots = prefix_slots.to(torch.int32)
+        window_slots = window_slots.to(torch.int32)
+        slots = torch.cat([torch.cat((prefix_slots, window_slots[ancestry])) for ancestry in ancestries]).contiguous()
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= cache_rows):
+            raise ValueError(f"KV slots {int(slots.min())}..{int(slots.max())} outside a cache of {cache_rows} rows")
+        counts = [prefix_slots.numel() + len(ancestry) for ancestry in ancestries]
+        starts = [0]
+        for count in counts[:-1]:
+            starts.append(starts[-1] + count)
+        return cls(spans=[(prefix_slots.numel(), len(ancestries))], slots=slots,
+                   key_start=torch.tensor(starts, dtype=torch.int64), key_count=torch.tensor(counts, dtype=torch.int64))
+
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: KeyLayout,
                     scale: float) -> torch.Tensor:
