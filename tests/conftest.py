@@ -17,8 +17,9 @@ from server_fixtures import ServerHandle, build_tiny_drafter, build_tiny_target,
 
 PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "cpu-smollm2-135m-target-context.json"
 FAST_ENGINE_TABLE = Path(__file__).resolve().parent / "data" / "fast-engine-sps.json"
-WORTHLESS_DRAFTER_FLAVOURS = {"dspark_skip"}
-"""Flavours served with the drafter of wrong bigrams (`build_tiny_drafter(wrong_bigrams=True)`)."""
+DRAFTER_VARIANTS = {"dspark_skip": "wrong", "dspark_tree": "runner_up"}
+"""Flavours served with a variant of the tiny drafter (`build_tiny_drafter(bigrams=...)`): wrong
+bigrams, or right ones often only as the runner-up."""
 SERVER_FLAVOURS = {
     # name: (extra launch_server arguments, extra environment)
     "baseline": ([], {}),
@@ -27,12 +28,12 @@ SERVER_FLAVOURS = {
     # request's last output before the previous step is processed)
     "baseline_sync": (["--disable-overlap-schedule", "--enable-custom-logit-processor",
                        "--enable-return-hidden-states"], {}),
-    # verify every draft: uniform windows (no runner-up branch cutting a lone request's chain),
+    # verify every draft: uniform windows (a lone request drafts a chain, not a tree),
     # overlap scheduling on; prompts over 48 tokens are prefilled in chunks, so the drafter context
     # is seeded chunk by chunk; every step drafts
     "dspark_overlap": (["--speculative-algorithm", "DSPARK_LIVE", "--chunked-prefill-size", "48",
                         "--enable-custom-logit-processor", "--enable-return-hidden-states"],
-                       {"DSPARK_BRANCH_DRAFTS": "0", "DSPARK_STEP_LOG": "{log_dir}/dspark_overlap-steps.jsonl"}),
+                       {"DSPARK_TREE_NODES": "0", "DSPARK_STEP_LOG": "{log_dir}/dspark_overlap-steps.jsonl"}),
     # the production planner (any cost table will do: it only has to make windows ragged),
     # overlap scheduling off
     "dspark_sync": (["--speculative-algorithm", "DSPARK_LIVE", "--disable-overlap-schedule",
@@ -45,9 +46,10 @@ SERVER_FLAVOURS = {
     "dspark_skip": (["--speculative-algorithm", "DSPARK_LIVE"],
                     {"DSPARK_PLANNER": "production", "DSPARK_SPS_PATH": str(FAST_ENGINE_TABLE),
                      "DSPARK_STEP_LOG": "{log_dir}/dspark_skip-steps.jsonl"}),
-    # verify every draft, and at batch 1 a second branch of 2 drafts beside a chain of gamma - 2
-    "dspark_branch": (["--speculative-algorithm", "DSPARK_LIVE"],
-                      {"DSPARK_BRANCH_DRAFTS": "2", "DSPARK_STEP_LOG": "{log_dir}/dspark_branch-steps.jsonl"}),
+    # verify every draft, and at batch 1 a tree of 2 x gamma + 1 drafts instead of a chain (the
+    # default), with the drafter whose right bigram is often only its runner-up
+    "dspark_tree": (["--speculative-algorithm", "DSPARK_LIVE"],
+                    {"DSPARK_STEP_LOG": "{log_dir}/dspark_tree-steps.jsonl"}),
     # a KV pool far smaller than the running requests need, admitted optimistically: requests are
     # retracted mid-decode (their KV freed) and prefilled again later
     "dspark_tight": (["--speculative-algorithm", "DSPARK_LIVE", "--max-total-tokens", "400",
@@ -78,8 +80,8 @@ def _free_port() -> int:
 class ServerPool:
     """Starts each flavour at most once per session; `get(*names)` starts missing ones together."""
 
-    def __init__(self, target: Path, drafter: Path, worthless_drafter: Path, log_dir: Path) -> None:
-        self.target, self.drafter, self.worthless_drafter, self.log_dir = target, drafter, worthless_drafter, log_dir
+    def __init__(self, target: Path, drafter: Path, variant_drafters: dict[str, Path], log_dir: Path) -> None:
+        self.target, self.drafter, self.variant_drafters, self.log_dir = target, drafter, variant_drafters, log_dir
         self.running: dict[str, ServerHandle] = {}
 
     def get(self, *names: str) -> list[ServerHandle]:
@@ -89,7 +91,7 @@ class ServerPool:
             for name in missing:
                 args, env = SERVER_FLAVOURS[name]
                 if "--speculative-algorithm" in args:
-                    drafter = self.worthless_drafter if name in WORTHLESS_DRAFTER_FLAVOURS else self.drafter
+                    drafter = self.variant_drafters.get(DRAFTER_VARIANTS.get(name), self.drafter)
                     args = [*args, "--speculative-draft-model-path", str(drafter)]
                 env = {key: value.format(log_dir=self.log_dir) for key, value in env.items()}
                 specs.append((name, _free_port(), args, env))
@@ -112,8 +114,9 @@ def tiny_serving_models(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def server_pool(tiny_serving_models, tmp_path_factory):
     target = tiny_serving_models[0]
-    worthless_drafter = build_tiny_drafter(target, tmp_path_factory.mktemp("worthless-drafter"), wrong_bigrams=True)
-    pool = ServerPool(*tiny_serving_models, worthless_drafter, tmp_path_factory.mktemp("server-logs"))
+    variants = {variant: build_tiny_drafter(target, tmp_path_factory.mktemp(f"{variant}-drafter"), bigrams=variant)
+                for variant in set(DRAFTER_VARIANTS.values())}
+    pool = ServerPool(*tiny_serving_models, variants, tmp_path_factory.mktemp("server-logs"))
     yield pool
     pool.stop_all()
 

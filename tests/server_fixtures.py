@@ -105,7 +105,7 @@ def _successor_table(model, vocab_size: int):
 
 
 def build_tiny_drafter(target_folder: Path, folder: Path, block_size: int = 4,
-                       target_layer_ids: tuple[int, ...] = (1, 2), wrong_bigrams: bool = False) -> Path:
+                       target_layer_ids: tuple[int, ...] = (1, 2), bigrams: str = "right") -> Path:
     """A DSpark drafter for the tiny target whose Markov head encodes the target's greedy bigrams.
 
     Random backbone weights would accept almost nothing, leaving the commit-of-accepted-drafts
@@ -113,9 +113,11 @@ def build_tiny_drafter(target_folder: Path, folder: Path, block_size: int = 4,
     to exercise rejection). Written with `save_drafter` in the DeepSpec layout, token weights
     omitted: the server shares the target's embedding and lm_head.
 
-    `wrong_bigrams` shifts every successor by one token: drafts the target almost never accepts,
+    `bigrams="wrong"` shifts every successor by one token: drafts the target almost never accepts,
     so that drafting is not worth its cost whatever the machine's timings (a right drafter's
-    drafts paid for themselves at batch 3 on one run and not on another).
+    drafts paid for themselves at batch 3 on one run and not on another). `bigrams="runner_up"`
+    makes the shifted token a close first choice after every odd token, the successor second
+    (probability ~0.27): a chain misses there and a tree of drafts holds the right one.
     """
     import torch
     from transformers import LlamaForCausalLM
@@ -135,13 +137,18 @@ def build_tiny_drafter(target_folder: Path, folder: Path, block_size: int = 4,
     )
     torch.manual_seed(0)
     drafter = DSparkDrafter(config, target=target).eval()
+    if bigrams not in ("right", "wrong", "runner_up"):
+        raise ValueError(f"bigrams={bigrams!r}: expected right, wrong or runner_up")
     successor = _successor_table(target, vocab)
-    if wrong_bigrams:
+    if bigrams == "wrong":
         successor = (successor + 1) % vocab
     with torch.no_grad():
         drafter.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
         w2 = torch.zeros(vocab, vocab)
         w2[successor, torch.arange(vocab)] = BIGRAM_BIAS
+        if bigrams == "runner_up":
+            odd = torch.arange(1, vocab, 2)
+            w2[(successor[odd] + 1) % vocab, odd] = BIGRAM_BIAS + 1.0
         drafter.markov_head.markov_w2.weight.copy_(w2)
     save_drafter(drafter, folder, include_token_weights=False)
     return folder

@@ -21,8 +21,7 @@ from decoding_stats import FALSE_ALARM_RATE, chi_square_p_value, total_variation
 
 from sglang_dspark.decoding import DraftBlock, SamplingParams, logits_to_probs, sample_block, verify, verify_greedy
 from sglang_dspark.decoding import verification
-from sglang_dspark.decoding.verification import (LIST_WALK_MAX_ROWS, NO_TOKEN, branch_slot_order,
-                                                 verify_greedy_branch)
+from sglang_dspark.decoding.verification import LIST_WALK_MAX_ROWS, NO_TOKEN
 
 
 def greedy_block(tokens: list[list[int]]) -> DraftBlock:
@@ -74,54 +73,6 @@ def test_greedy_verification_from_argmax_ids_alone_equals_verification_from_logi
     assert torch.equal(got.num_accepted, one.num_accepted) and torch.equal(got.tokens, one.tokens)
     with pytest.raises(ValueError, match="verify_lens must be in 0..0"):
         verify_greedy(drafts[:, :0], logits[:, :1].argmax(-1), torch.ones(batch, dtype=torch.long))
-
-
-def greedy_decode(next_token, start: int, steps: int) -> list[int]:
-    out, token = [], start
-    for _ in range(steps):
-        token = next_token(token)
-        out.append(token)
-    return out
-
-
-@pytest.mark.parametrize("chain, branch", [
-    ([5, 6, 7], [9, 4, 8]),  # the chain's first draft is wrong, the branch's first two are right
-    ([9, 6, 7], [5, 4, 8]),  # the chain's first is right: the branch is not taken
-    ([5, 6, 7], [7, 1, 2]),  # neither first draft is right: the bonus row's choice alone
-    ([5, 6, 7], [9, 4, 3]),  # the branch is right to its end: its last row's choice comes after it
-])
-def test_a_second_branch_commits_exactly_what_greedy_decoding_would(chain, branch) -> None:
-    """A toy greedy target (a fixed successor table from the bonus token 1): whatever the two
-    branches hold, the committed tokens are the target's own next tokens, the longest prefix a
-    branch got right plus the target's choice after it."""
-    successor = {1: 9, 9: 4, 4: 3, 3: 2, 2: 8, 5: 6, 6: 7, 7: 0, 8: 0, 0: 0}
-    chain_argmax = [successor[t] for t in [1] + chain]  # the target's choice after each chain row
-    chain_outcome = verify_greedy(torch.tensor([chain]), torch.tensor([chain_argmax]), torch.tensor([len(chain)]))
-    outcome = verify_greedy_branch(chain_outcome, branch, [successor[t] for t in branch])
-    committed = outcome.result.tokens[0, : int(outcome.result.num_accepted[0]) + 1].tolist()
-    assert committed == greedy_decode(successor.__getitem__, 1, len(committed))
-    expected_length = 1 + max(accepted_prefix(chain, greedy_decode(successor.__getitem__, 1, 4)),
-                              accepted_prefix(branch, greedy_decode(successor.__getitem__, 1, 4)))
-    assert len(committed) == expected_length
-    chain_accepted = int(chain_outcome.num_accepted[0])
-    if chain_accepted > 0:
-        assert outcome.result is chain_outcome and outcome.branch_accepted == 0, "the chain's outcome stands"
-    else:
-        assert outcome.branch_accepted == int(outcome.result.num_accepted[0])
-
-
-def accepted_prefix(drafts: list[int], truth: list[int]) -> int:
-    count = 0
-    while count < len(drafts) and drafts[count] == truth[count]:
-        count += 1
-    return count
-
-
-def test_a_winning_branch_takes_the_first_kv_slots_and_every_slot_is_kept() -> None:
-    chain_slots, branch_slots = [11, 12, 13], [21, 22]
-    assert branch_slot_order(chain_slots, branch_slots, 2) == [21, 22, 11, 12, 13]
-    assert branch_slot_order(chain_slots, branch_slots, 1) == [21, 11, 12, 13, 22]
-    assert branch_slot_order(chain_slots, branch_slots, 0) == [11, 12, 13, 21, 22], "no win: nothing moves"
 
 
 def test_zero_drafts_just_samples_the_bonus_at_slot_zero() -> None:

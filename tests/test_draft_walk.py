@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sglang_dspark.decoding import SamplingParams, sample_block
+from sglang_dspark.decoding.tree import grow_tree
 from sglang_dspark.kernels_cpu.draft_walk import KernelWalk, kernel_walk_fits
 from sglang_dspark.kernels_cpu.gemm_layout import add_linear_panels, relayout_linears
 from tiny import make_tiny_drafter, make_tiny_target
@@ -55,9 +56,10 @@ def test_the_greedy_walk_drafts_what_sample_block_drafts(dtype, name, served_lay
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["dspark, reduced vocabulary", "dspark, full vocabulary", "dflash twin (no heads)"])
-def test_a_runner_up_branch_starts_at_slot_0s_second_best_draft_and_walks_on_greedily(dtype, name):
-    """The branch the worker verifies beside the chain at batch 1: its first draft is slot 0's best
-    column but the chain's, and its later drafts are the greedy walk from there."""
+def test_a_tree_grown_from_the_walks_slot_logits_scores_drafts_as_the_walk_does(dtype, name):
+    """The tree the worker verifies at batch 1 grows from the walk's own slot logits and the
+    drafter's Markov bias: its best first draft scores what the walk's first draft scores (the
+    best; bf16 logits tie, and either may take a tied column), in target ids."""
     drafter = _drafter(dtype, DRAFTERS[name], served_layout=True)
     generator = torch.Generator().manual_seed(6)
     hidden = torch.randn(5, 7, 64, generator=generator).to(dtype)
@@ -65,21 +67,58 @@ def test_a_runner_up_branch_starts_at_slot_0s_second_best_draft_and_walks_on_gre
     walk = KernelWalk(drafter)
     draft_ids = drafter.d2t if drafter.d2t is not None else torch.arange(drafter.config.draft_vocab_size)
     with torch.inference_mode():
-        for branch_width in (1, 3):
-            chain, branch = walk.greedy_with_branch(hidden, anchors, branch_width)
-            assert torch.equal(chain.tokens, walk.greedy(hidden, anchors).tokens)  # the chain is unchanged
-            bias, _ = drafter.markov_bias(anchors, hidden[:, 0])
-            scores = drafter.base_logits(hidden[:, 0]).float() + bias.float()
-            chain_columns = torch.searchsorted(draft_ids, chain.tokens[:, 0].contiguous())
-            scores[torch.arange(5), chain_columns] = float("-inf")
-            runner_up = draft_ids[scores.argmax(dim=-1)]
-            assert torch.equal(branch[:, 0], runner_up) and bool((branch[:, 0] != chain.tokens[:, 0]).all())
-            if branch_width > 1:
-                greedy = SamplingParams.uniform(5, temperature=0.0)
-                on = sample_block(drafter, hidden[:, 1:branch_width], runner_up, greedy)
-                assert torch.equal(branch[:, 1:], on.tokens)
-    with pytest.raises(ValueError, match=r"a branch of 8 drafts over a block of 7 slots"):
-        walk.greedy_with_branch(hidden, anchors, 8)
+        base = walk.base_logits(hidden)
+        chain = walk.greedy(hidden, anchors, base)
+        for row in range(5):
+            def bias(parents, slot, row=row):
+                return drafter.markov_bias(parents, hidden[row, slot].expand(len(parents), -1), None)[0]
+            tree = grow_tree(base[row], int(anchors[row]), bias, drafter.d2t, nodes=7)
+            scores = base[row, 0].float() + bias(anchors[row : row + 1], 0)[0].float()
+            column = {int(token): index for index, token in enumerate(draft_ids)}
+            best = float(scores.max())
+            assert float(scores[column[tree.tokens[0]]]) == best, f"row {row}: the tree's best first draft"
+            assert float(scores[column[int(chain.tokens[row, 0])]]) == best
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["dspark, reduced vocabulary", "dspark, full vocabulary", "dflash twin (no heads)"])
+def test_the_kernel_grows_the_tree_the_torch_growth_grows(dtype, name):
+    """`KernelWalk.tree` (best first, in one call) holds the nodes `decoding.tree.grow_tree` holds:
+    the same paths, or where bfloat16 scores tie, paths of the same scores."""
+    drafter = _drafter(dtype, DRAFTERS[name], served_layout=True)
+    generator = torch.Generator().manual_seed(8)
+    hidden = torch.randn(3, 7, 64, generator=generator).to(dtype)
+    anchors = torch.randint(0, 512, (3,), generator=generator)
+    walk = KernelWalk(drafter)
+    draft_ids = drafter.d2t if drafter.d2t is not None else torch.arange(drafter.config.draft_vocab_size)
+    column = {int(token): index for index, token in enumerate(draft_ids)}
+    with torch.inference_mode():
+        base = walk.base_logits(hidden)
+        for row in range(3):
+            def bias(parents, slot, row=row):
+                return drafter.markov_bias(parents, hidden[row, slot].expand(len(parents), -1), None)[0]
+
+            def score(path, row=row):
+                total, prev = 0.0, int(anchors[row])
+                for slot, token in enumerate(path):
+                    logits = base[row, slot].float() + bias(torch.tensor([prev]), slot)[0].float()
+                    total += float(torch.log_softmax(logits, -1)[column[token]])
+                    prev = token
+                return total
+
+            for nodes in (1, 6, 15):
+                got = walk.tree(base[row], int(anchors[row]), nodes)
+                want = grow_tree(base[row], int(anchors[row]), bias, drafter.d2t, nodes)
+                assert got.rows == want.rows == nodes + 1
+                assert all(parent < node for node, parent in enumerate(got.parents, start=1)), "a child before its parent"
+                got_paths = sorted(tuple(got.tokens[r - 1] for r in got.ancestry(n)[1:]) for n in range(1, got.rows))
+                want_paths = sorted(tuple(want.tokens[r - 1] for r in want.ancestry(n)[1:]) for n in range(1, want.rows))
+                if got_paths != want_paths:
+                    assert dtype == torch.bfloat16, "float32 scores do not tie: the paths must be the same"
+                    torch.testing.assert_close(sorted(map(score, got_paths)), sorted(map(score, want_paths)),
+                                               rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="kernel tree"):
+        walk.tree(base[0, :, :5], 1, 3)
 
 
 def test_a_drafter_the_kernel_cannot_walk_is_refused_with_the_reason():

@@ -99,22 +99,22 @@ def test_greedy_output_equals_plain_serving_for_8_concurrent_requests(servers, b
         assert window_widths == {5}
 
 
-def test_a_second_branch_of_drafts_at_batch_1_keeps_greedy_output_exact(servers, baseline_outputs, server_pool):
-    """`DSPARK_BRANCH_DRAFTS=2`: a lone greedy request verifies the drafter's runner-up first draft
-    and its walk as a second window over the same prefix (SGLang's spare request row 0), beside a
-    chain cut to gamma - 2 drafts. Requests sent one at a time give plain serving's output, and
-    the tiny drafter's branch is taken now and then, its KV slots moved into place."""
-    branch = server_pool.get("dspark_branch")[0].url
+def test_a_tree_of_drafts_at_batch_1_keeps_greedy_output_exact(servers, baseline_outputs, server_pool):
+    """By default a lone greedy request verifies a tree of 2 x gamma + 1 drafts (`DSPARK_TREE_NODES`)
+    in one window whose rows each see their own ancestry. Requests sent one at a time give plain
+    serving's output, and now and then the tree commits drafts the walked chain would not have
+    (off the chain: their KV slots moved into place)."""
+    tree = server_pool.get("dspark_tree")[0].url
     for i, (prompt, max_new) in enumerate(zip(PROMPTS, MAX_NEW)):
-        got = generate(branch, prompt, **greedy(max_new, ignore_eos=True))
+        got = generate(tree, prompt, **greedy(max_new, ignore_eos=True))
         assert got["output_ids"] == baseline_outputs[i]["output_ids"], f"request {i} diverged from plain serving"
-    rows = [row for step in _step_log(server_pool, "dspark_branch") for row in step["requests"]]
-    branched = [row for row in rows if row["branch_drafts"] > 0]
-    assert branched, "no step verified a second branch"
-    assert all(row["branch_drafts"] == 2 and row["verify_len"] <= 2 for row in branched), "chain + branch > gamma"
-    taken = [row for row in branched if row["branch_accepted"] > 0]
-    assert taken, f"none of {len(branched)} branches was taken: the slot move went untested"
-    assert all(row["accepted"] == row["branch_accepted"] for row in taken), "a taken branch commits its drafts"
+    steps = [step for step in _step_log(server_pool, "dspark_tree") if step["batch_size"] == 1]
+    treed = [step for step in steps if step["requests"][0]["tree_drafts"] > 0]
+    assert treed, "no step verified a tree"
+    assert all(step["requests"][0]["tree_drafts"] == 9 and step["verify_tokens"] == 10 for step in treed)
+    gains = [step["requests"][0]["tree_gain"] for step in treed]
+    assert all(gain >= 0 for gain in gains), "a tree committed fewer drafts than its own chain would have"
+    assert any(gains), f"none of {len(treed)} trees committed a draft off the walked chain: the slot move went untested"
 
 
 @pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])

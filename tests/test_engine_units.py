@@ -96,20 +96,26 @@ def _draft_folder(tmp_path, block_size=4, confidence_head=True):
 
 def test_settings_default_to_checkpoint_block_size_and_verify_all(tmp_path, monkeypatch):
     for name in ("DSPARK_GAMMA", "DSPARK_PLANNER", "DSPARK_SPS_PATH", "DSPARK_STS_PATH", "DSPARK_LOOKUP",
-                 "DSPARK_GRAMMAR_STEERING", "DSPARK_BRANCH_DRAFTS"):
+                 "DSPARK_GRAMMAR_STEERING", "DSPARK_TREE_NODES"):
         monkeypatch.delenv(name, raising=False)
     settings = load_settings(_draft_folder(tmp_path))
-    assert (settings.gamma, settings.verify_window, settings.planner) == (4, 5, "all")
+    assert (settings.gamma, settings.planner) == (4, "all")
     assert settings.lookup == "on", "every request may draft from its own text unless told otherwise"
     assert settings.grammar_steering, "constrained requests steer the drafter unless told otherwise"
-    assert settings.branch_drafts == 2, "a lone greedy request verifies a runner-up branch unless told otherwise"
+    assert settings.tree_nodes == 9, "a lone greedy request verifies a tree of 2 x gamma + 1 drafts unless told otherwise"
+    assert settings.verify_window == 10, "the verify window holds the bonus and the tree"
+    monkeypatch.setenv("DSPARK_TREE_NODES", "0")
+    assert load_settings(_draft_folder(tmp_path)).verify_window == 5, "without trees: the bonus and gamma drafts"
+    monkeypatch.setenv("DSPARK_TREE_NODES", "2")
+    assert load_settings(_draft_folder(tmp_path)).verify_window == 5, "a small tree fits the chain's window"
+    monkeypatch.delenv("DSPARK_TREE_NODES")
     monkeypatch.setenv("DSPARK_GAMMA", "3")
-    assert load_settings(_draft_folder(tmp_path)).branch_drafts == 0, "a chain of one draft is not cut for a branch"
-    monkeypatch.setenv("DSPARK_BRANCH_DRAFTS", "3")
-    with pytest.raises(SettingsError, match="DSPARK_BRANCH_DRAFTS=3: expected an integer between 0 and 2"):
+    assert load_settings(_draft_folder(tmp_path)).tree_nodes == 0, "a block of 3 slots drafts a chain"
+    monkeypatch.setenv("DSPARK_TREE_NODES", "64")
+    with pytest.raises(SettingsError, match="DSPARK_TREE_NODES=64: expected an integer between 0 and 63"):
         load_settings(_draft_folder(tmp_path))
     monkeypatch.delenv("DSPARK_GAMMA")
-    monkeypatch.delenv("DSPARK_BRANCH_DRAFTS")
+    monkeypatch.delenv("DSPARK_TREE_NODES")
     monkeypatch.setenv("DSPARK_GRAMMAR_STEERING", "off")
     assert not load_settings(_draft_folder(tmp_path)).grammar_steering
 
@@ -222,8 +228,8 @@ def test_recorder_keeps_a_bounded_ring_but_totals_everything(tmp_path):
     assert logged["step"] == 9 and logged["committed_tokens"] == 4 and logged["measured_seconds"] == 0.01
     assert logged["requests"] == [{"rid": "r", "slot": 0, "context_len": 10, "verify_len": 4, "accepted": 1,
                                    "temperature": 0.0, "confidence_logits": [0.0] * 4, "survivals": [0.5] * 4,
-                                   "lookup_drafts": 0, "lookup_match": 0, "branch_drafts": 0,
-                                   "branch_accepted": 0}] * 2
+                                   "lookup_drafts": 0, "lookup_match": 0, "tree_drafts": 0,
+                                   "tree_gain": 0}] * 2
 
 
 def test_verify_spans_come_from_the_extend_fields_of_a_verify_forward_only():
@@ -968,8 +974,8 @@ def test_a_sampled_draft_its_grammar_refuses_is_drawn_again_from_the_drafters_ma
     assert grammar.state == 0
 
 
-def test_a_second_branch_is_verified_only_where_the_rows_are_the_targets_own_logits():
-    """The branch's rows are read as they come out of the target, so any request whose rows
+def test_a_tree_is_verified_only_where_the_rows_are_the_targets_own_logits():
+    """A tree's rows are read as they come out of the target, so any request whose rows
     SGLang's sampler would change keeps the chain alone: a custom logit processor counts whether
     or not it reads the request."""
     from types import SimpleNamespace

@@ -39,8 +39,8 @@ def test_missing_draft_path_says_which_flag(tmp_path):
         validate_server_args(_args(target, None))
 
 
-def test_num_draft_tokens_must_be_gamma_plus_one(tmp_path):
-    with pytest.raises(ValueError, match="expected gamma \\+ 1 = 5"):
+def test_num_draft_tokens_must_fit_the_verify_window(tmp_path):
+    with pytest.raises(ValueError, match=r"expected max\(gamma, tree nodes\) \+ 1 = 10"):
         validate_server_args(_args(*_folders(tmp_path), speculative_num_draft_tokens=8))
 
 

@@ -37,7 +37,8 @@ class DSparkLiveAlgorithm(CustomSpecAlgo):
         return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
 
     def handle_server_args(self, server_args) -> None:
-        """Fix the step shape: one linear chain (topk 1, one draft step) of gamma drafts + the bonus.
+        """Fix the step shape: one linear chain (topk 1, one draft step) of gamma drafts + the bonus,
+        in a verify window wide enough for a batch-1 tree (`LiveSettings.verify_window`).
 
         The radix cache stays on unless `DSPARK_PREFIX_CACHE=off`: the worker keeps each committed
         token's taps beside its KV slot, so a cached prefix seeds the drafter context like a prefill.
@@ -99,8 +100,9 @@ def validate_server_args(server_args) -> None:
     if requested is not None and int(requested) != settings.verify_window:
         raise ValueError(
             f"DSPARK_LIVE: --speculative-num-draft-tokens {requested} does not match the drafter: expected "
-            f"gamma + 1 = {settings.verify_window} (gamma={settings.gamma}, checkpoint block_size="
-            f"{settings.block_size}); omit the flag or set DSPARK_GAMMA"
+            f"max(gamma, tree nodes) + 1 = {settings.verify_window} (gamma={settings.gamma}, checkpoint block_size="
+            f"{settings.block_size}, DSPARK_TREE_NODES={settings.tree_nodes}); omit the flag, or set DSPARK_GAMMA "
+            "and DSPARK_TREE_NODES"
         )
     page_size = getattr(server_args, "page_size", None)
     if page_size not in (None, 1):

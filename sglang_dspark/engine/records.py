@@ -28,8 +28,10 @@ class RequestStep:
     survivals: list[float]
     lookup_drafts: int = 0  # drafts taken from the request's own earlier text (`engine.lookup`), not the drafter
     lookup_match: int = 0  # the length of the match that proposed them (2-4; 0: none)
-    branch_drafts: int = 0  # drafts of a second branch verified beside the chain (`DSPARK_BRANCH_DRAFTS`)
-    branch_accepted: int = 0  # of those, committed (the chain's first draft was refused)
+    # drafts verified as a tree (`DSPARK_TREE_NODES`, batch 1; 0: a chain): `accepted` counts the
+    # tree's committed drafts, `verify_len` the walked chain's drafts the tree held (calibrated)
+    tree_drafts: int = 0
+    tree_gain: int = 0  # drafts the tree committed beyond those of the walked chain it held
 
 
 @dataclass(frozen=True)

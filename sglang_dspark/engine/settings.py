@@ -18,7 +18,7 @@ process, with a clear error for a bad value:
 | `DSPARK_PREFIX_CACHE` | `on` | keep SGLang's radix (prefix) cache: the worker stores every committed token's taps beside its KV slot (the tap store, one row per KV slot), so a prefix served from the cache seeds the drafter's context without a target forward; `off` disables the radix cache |
 | `DSPARK_SERVED_OFFSETS` | `on` | with the production planner, correct each temperature class's calibration per draft position by an offset learnt from the server's own verify rounds (`calibration.served_offsets`: on served greedy traffic the offline calibration under-predicted acceptance from position 2 on, so the early stop refused drafts that paid); `off`: the calibration files (and live refits) alone |
 | `DSPARK_LOOKUP` | `on` | lookup drafts: where a request's last 2-4 tokens occurred before in its prompt or output, the tokens that followed their latest occurrence are verified instead of the drafter's block (`engine.lookup`; lossless like any draft: a sampled request's lookup is a point-mass proposal under rejection sampling; their survivals are learnt from served lookup rounds, per temperature class and match length); `greedy`: greedy requests only; `off`: the drafter's blocks only |
-| `DSPARK_BRANCH_DRAFTS` | 2 (0 where gamma < 4) | at batch 1, a greedy request the drafter drafted for also verifies a second branch of this many drafts: the drafter's runner-up first draft and its walk on from it, in a second causal window over the same prefix; the chain keeps at most gamma minus this many drafts, so a step verifies no more rows than gamma + 1. The branch is taken where the chain's first draft is refused and its own is the target's choice (output unchanged: greedy). Requests whose verify rows SGLang's sampler would change, or that ask for logprobs or hidden states, keep the chain alone; CPU (the walk kernel) only: the branch is walked in the chain's own kernel call. Served at concurrency 1: drafter steps commit ~5 % more tokens in the same time (1.00-1.05x overall over three runs, sessions 50-51). 0: off |
+| `DSPARK_TREE_NODES` | 2 x gamma + 1 (0 where gamma < 4) | at batch 1, a greedy request the drafter drafts for verifies a tree of this many drafts instead of a chain: the continuations of its bonus token the drafter finds most probable (`decoding.tree`), each node attending to the prefix and its own ancestry in one verify window of nodes + 1 rows, accepted greedily (output unchanged). A verify row costs ~0.15 ms of a ~22 ms batch-1 forward on the Zen 4 CPU; offline (18 eval prompts, teacher-forced) a tree of 15 drafts commits 2.72 tokens a round against 2.14 for a chain of 7. The verify window (SGLang's `speculative_num_draft_tokens`, and the KV slots reserved per request a step) is max(gamma, nodes) + 1. Requests whose verify rows SGLang's sampler would change, or that ask for logprobs or hidden states, keep the chain; CPU with the walk kernel and the paged attention kernel only. 0: off |
 | `DSPARK_GRAMMAR_STEERING` | `on` | a constrained request's grammar steers the drafter's walk (each slot drafts the best token the grammar allows; `engine.grammar`); `off`: drafts are only cut where the grammar refuses one |
 | `DSPARK_VERIFY_ATTENTION` | `linear` | CPU verify attention: `linear` (the window's queries over the request's KV only: the paged kernel, or SDPA with `DSPARK_CPU_ATTENTION=sdpa`) or `native` (SGLang torch_native extend, re-attends the prefix) |
 """
@@ -38,7 +38,7 @@ VERIFY_ATTENTION_MODES = ("linear", "native")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOOKUP_MODES = ("on", "greedy", "off")
 DEFAULT_RECALIBRATE_EVERY = 1024
-DEFAULT_BRANCH_DRAFTS = 2  # a runner-up branch of 2 beside a chain of gamma - 2 (+5 % tokens a drafter step)
+MAX_TREE_NODES = 63
 
 
 class SettingsError(ValueError):
@@ -65,12 +65,12 @@ class LiveSettings:
     served_offsets: bool = False
     lookup: str = "off"  # LOOKUP_MODES: which requests may draft from their own text
     grammar_steering: bool = False  # constrained requests' grammars steer the drafter's walk
-    branch_drafts: int = 0  # drafts of a second branch at batch 1 (0: none)
+    tree_nodes: int = 0  # drafts verified as a tree at batch 1 (0: a chain)
 
     @property
     def verify_window(self) -> int:
-        """Tokens per request in a full verify: the bonus plus gamma drafts."""
-        return self.gamma + 1
+        """Tokens per request in a full verify: the bonus plus gamma drafts, or a tree's drafts."""
+        return max(self.gamma, self.tree_nodes) + 1
 
 
 def _int_env(name: str, default: int, low: int, high: int | None = None) -> int:
@@ -199,5 +199,5 @@ def load_settings(draft_path: str | Path, dtype: str | None = None, device: str 
         served_offsets=served_offsets == "on",
         lookup=lookup,
         grammar_steering=grammar_steering == "on",
-        branch_drafts=_int_env("DSPARK_BRANCH_DRAFTS", DEFAULT_BRANCH_DRAFTS if gamma >= 4 else 0, 0, gamma - 1),
+        tree_nodes=_int_env("DSPARK_TREE_NODES", 2 * gamma + 1 if gamma >= 4 else 0, 0, MAX_TREE_NODES),
     )

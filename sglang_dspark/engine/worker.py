@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -47,7 +47,8 @@ from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 
 from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block, verify_greedy, verify_packed
-from sglang_dspark.decoding.verification import TargetSampler, branch_slot_order, verify_greedy_branch
+from sglang_dspark.decoding.tree import DraftTree, tree_slot_order
+from sglang_dspark.decoding.verification import NO_TOKEN, TargetSampler, VerifyResult
 from sglang_dspark.engine import verify_attention
 from sglang_dspark.engine.grammar import (GrammarSteering, SlotLogits, apply_grammar_masks, guide_drafts,
                                           steer_walked_block)
@@ -60,11 +61,13 @@ from sglang_dspark.engine.records import RequestStep, StepRecord, StepRecorder
 from sglang_dspark.engine.requests import StopBan, min_new_tokens_bans
 from sglang_dspark.engine.settings import load_settings
 from sglang_dspark.kernels_cpu.build import KernelUnavailable, vector_isa_supported
+from sglang_dspark.kernels_cpu.cpu_attention import layer_fits
 from sglang_dspark.kernels_cpu.draft_walk import KernelWalk, kernel_walk_fits
 from sglang_dspark.kernels_cpu.drafter_ops import add_drafter_kernels
 from sglang_dspark.kernels_cpu.layer_hooks import kernels_enabled as layer_kernels_enabled
 from sglang_dspark.kernels_cpu.layer_ops import load_layer_ops, row_argmax
 from sglang_dspark.kernels_cpu.gemm_layout import add_linear_panels, gemm_layout_mode, relayout_linears
+from sglang_dspark.kernels_cpu.paged_attention import KeyLayout
 from sglang_dspark.kernels_cpu.panel_gemm import PanelKernelUnavailable
 from sglang_dspark.kernels_cpu.target_sampling import kernel_sampler, load_target_sampling
 from sglang_dspark.model import DraftContextCache, TargetWeights, load_drafter
@@ -73,9 +76,6 @@ from sglang_dspark.runtime import cpu_has_native_bf16
 
 logger = logging.getLogger(__name__)
 
-VIRTUAL_ROW = 0
-"""SGLang's request row that no request is given (`ReqToTokenPool.free_slots` start at 1): a
-second branch of drafts runs there as a second request."""
 
 TOP_K_OFF_THRESHOLD = 1 << 20
 """SGLang encodes "no top-k" as a huge k; anything at or above this means off."""
@@ -159,7 +159,7 @@ class DSparkLiveWorker(BaseSpecWorker):
         self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
         num_slots = int(self.req_to_token_pool.req_to_token.shape[0])
         self.context = self.drafter.new_cache(num_slots=num_slots, capacity=256)
-        kv_rows = int(self.model_runner.token_to_kv_pool.get_key_buffer(0).shape[0])
+        kv_rows = self._kv_rows = int(self.model_runner.token_to_kv_pool.get_key_buffer(0).shape[0])
         self.tap_store = torch.zeros((kv_rows, self.drafter.fc.in_features), dtype=self.model_runner.dtype,
                                      device=self.device)
         logger.info("DSPARK_LIVE: tap store of %d KV slots x %d (%.0f MB), radix cache %s", kv_rows,
@@ -319,7 +319,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             walked = torch.full((batch_size,), decision.draft, dtype=torch.bool)
             if has_lookups:
                 walked &= lookup_lens == 0
-            block = branch = None
+            block = tree = None
             if bool(walked.any()):
                 every_row = bool(walked.all())
                 rows = walked.nonzero().squeeze(-1)
@@ -330,9 +330,9 @@ class DSparkLiveWorker(BaseSpecWorker):
                 self.planner.draft_costs.add_catch_up(caught_up, times.catch_up)
                 constrained = None if not (batch.has_grammar and self.settings.grammar_steering) else (
                     batch.reqs if every_row else [batch.reqs[int(row)] for row in rows])
-                branch_width = self._branch_width(batch, params, decision.draft_width)
-                block, branch = self._draft_block(own[0], own[1], own[3], decision.draft_width, times, constrained,
-                                                  branch_width)
+                tree_nodes = self._tree_nodes(batch, params)
+                block, tree = self._draft_block(own[0], own[1], own[3], decision.draft_width, times, constrained,
+                                                tree_nodes)
                 clock = time.perf_counter()
                 self.planner.draft_costs.add(len(rows), decision.draft_width, times.block, times.walk)
             draft = block if not has_lookups else self._with_lookup_drafts(block, walked, proposals, params,
@@ -342,55 +342,53 @@ class DSparkLiveWorker(BaseSpecWorker):
             plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision, greedy=params.greedy,
                                      lookup_lens=lookup_lens if has_lookups else None, grammar_lens=grammar_lens,
                                      lookup_matches=lookup_matches if has_lookups else None)
-            branch, plan = self._branch(branch, plan)
+            tree, plan = self._tree_plan(tree, plan, draft.tokens[0].tolist())
             times.plan, _ = _lap(clock)
             drafts = draft.tokens
         else:  # drafts would cost more than they return: this step is a plain decode step
-            branch = None
+            tree = None
             draft = _empty_block(batch_size, sampled=not bool(params.greedy.all()))
             plan = self.planner.skipped(rids, seq_lens)
             drafts = draft.tokens[:, :0].to(self.device)
         drafted = time.perf_counter()
 
         logits, taps, window_kv_slots, final_hidden, forward_seconds = self._verify_forward(
-            batch, slots, seq_lens, bonus, drafts, plan.verify_lens, branch)
+            batch, slots, seq_lens, bonus, drafts, plan.verify_lens, tree)
         verified = time.perf_counter()
-        window_lens = plan.verify_lens + 1
-        if branch is not None:  # the branch's rows come after the chain's
-            chain_rows = int(window_lens.sum())
-            branch_argmax = self.row_argmax(logits[chain_rows:]).cpu().tolist()
-            branch_taps, branch_kv_slots = taps[chain_rows:], window_kv_slots[chain_rows:]
-            logits, taps, window_kv_slots = logits[:chain_rows], taps[:chain_rows], window_kv_slots[:chain_rows]
-        _ban_stop_tokens(logits, min_new_tokens_bans(batch.reqs), seq_lens, window_lens)
         penalties = [penalties_of(req.sampling_params) for req in batch.reqs]
         histories = self.output_histories.refresh(batch.reqs, bonus, seq_lens, [
             request_penalties.active or reads_request(req) for req, request_penalties in zip(batch.reqs, penalties)])
-        penalise_rows(logits, batch.reqs, penalties, histories, drafts, window_lens)
-        if batch.has_grammar:
-            apply_grammar_masks(logits, batch.reqs, bonus, drafts, window_lens, logits.shape[1])
-        _add_logit_bias(logits, batch.sampling_info.logit_bias, window_lens)
-        apply_custom_logit_processors(logits, batch.sampling_info, batch.reqs, histories, drafts, window_lens)
-        # the rows acceptance reads, laid out for SGLang's spec logprobs when a request asks for them
-        logprob_rows = _rows_at_stride(logits, window_lens, self.stride) if batch.return_logprob else None
-        target_argmax = self.row_argmax(logits).cpu()
-        if bool(params.greedy.all()):  # the logits are never copied or padded
-            outcome = verify_greedy(draft.tokens, _pad_rows(target_argmax, window_lens), plan.verify_lens)
-        else:  # only sampled requests' rows become distributions
-            outcome = verify_packed(draft, logits.cpu(), plan.verify_lens, params, self.verify_generator,
-                                    target_argmax=target_argmax, sampler=self.target_sampler)
-        chain_accepted = outcome.num_accepted
-        branch_won = 0
-        if branch is not None:
-            taken = verify_greedy_branch(outcome, branch.tolist(), branch_argmax)
-            outcome, branch_won = taken.result, taken.branch_accepted
+        logprob_rows = None
+        tree_accepted: list[int] = []
+        if tree is not None:  # a lone plain greedy request: its rows are the target's own logits
+            window_lens = torch.tensor([tree.rows])
+            tree_accepted, committed_tokens = tree.accept_greedy(self.row_argmax(logits).cpu().tolist())
+            outcome = _tree_outcome(committed_tokens, self.stride)
+            chain_accepted = _chain_accepted(draft.tokens[0, : int(plan.verify_lens[0])].tolist(), committed_tokens)
+        else:
+            window_lens = plan.verify_lens + 1
+            _ban_stop_tokens(logits, min_new_tokens_bans(batch.reqs), seq_lens, window_lens)
+            penalise_rows(logits, batch.reqs, penalties, histories, drafts, window_lens)
+            if batch.has_grammar:
+                apply_grammar_masks(logits, batch.reqs, bonus, drafts, window_lens, logits.shape[1])
+            _add_logit_bias(logits, batch.sampling_info.logit_bias, window_lens)
+            apply_custom_logit_processors(logits, batch.sampling_info, batch.reqs, histories, drafts, window_lens)
+            # the rows acceptance reads, laid out for SGLang's spec logprobs when a request asks for them
+            logprob_rows = _rows_at_stride(logits, window_lens, self.stride) if batch.return_logprob else None
+            target_argmax = self.row_argmax(logits).cpu()
+            if bool(params.greedy.all()):  # the logits are never copied or padded
+                outcome = verify_greedy(draft.tokens, _pad_rows(target_argmax, window_lens), plan.verify_lens)
+            else:  # only sampled requests' rows become distributions
+                outcome = verify_packed(draft, logits.cpu(), plan.verify_lens, params, self.verify_generator,
+                                        target_argmax=target_argmax, sampler=self.target_sampler)
+            chain_accepted = outcome.num_accepted
         accept_lens = outcome.num_accepted + 1
         self.output_histories.commit(batch.reqs, outcome.tokens, accept_lens)
         new_seq_lens = seq_lens + accept_lens
-        if branch_won:  # the bonus row, then the branch's accepted rows, whose slots take their positions
-            self._store_taps(torch.cat((window_kv_slots[:1], branch_kv_slots[:branch_won])),
-                             torch.cat((taps[:1], branch_taps[:branch_won])))
-            self._take_branch_slots(int(slots[0]), int(seq_lens[0]), window_kv_slots[1:].tolist(),
-                                    branch_kv_slots.tolist(), branch_won)
+        if tree is not None:  # the bonus row, then the accepted nodes' rows, whose slots take their positions
+            kept = [0] + tree_accepted
+            self._store_taps(window_kv_slots[kept], taps[kept])
+            self._take_tree_slots(int(slots[0]), int(seq_lens[0]), window_kv_slots[1:].tolist(), tree_accepted)
         elif decision.draft or has_lookups:
             committed = _committed_rows(window_lens, accept_lens)
             self._store_taps(window_kv_slots[committed], taps[committed])
@@ -423,7 +421,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             logits_output.hidden_states = _rows_at_stride(final_hidden, window_lens, self.stride)
         self._record(batch, rids, slots, seq_lens, params, plan, outcome.num_accepted, chain_accepted,
                      started, drafted, verified, decision, caught_up, times, forward_seconds, between_steps,
-                     0 if branch is None else len(branch), branch_won)
+                     0 if tree is None else tree.rows - 1)
         result = GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=next_tokens.reshape(-1).to(self.device),
@@ -439,18 +437,19 @@ class DSparkLiveWorker(BaseSpecWorker):
         return result
 
     def _draft_block(self, slots: torch.Tensor, bonus: torch.Tensor, params: SamplingParams, width: int,
-                     times: DraftTimes, reqs: list | None = None, branch_width: int = 0
-                     ) -> tuple[DraftBlock, torch.Tensor | None]:
+                     times: DraftTimes, reqs: list | None = None, tree_nodes: int = 0
+                     ) -> tuple[DraftBlock, DraftTree | None]:
         """The drafter's block forward and Markov walk for these requests (timed into `times`), and
-        with `branch_width` (`_branch_width`) the lone request's runner-up branch `[branch_width]`
-        from the same walk (None otherwise).
+        with `tree_nodes` (`_tree_nodes`) the lone request's tree of that many drafts over the
+        whole block, grown from the same slot logits (None otherwise).
         `reqs` (given when the batch holds grammars to steer by): the walk kernel walks first and
         rows are drawn again, steered, from a draft their grammar refuses; without the kernel the
         whole walk is steered (`engine.grammar`)."""
         clock = time.perf_counter()
+        width = self.gamma if tree_nodes else width
         hidden = self.drafter.forward_block(self.context, slots, bonus, width)
         times.block, clock = _lap(clock)
-        branch = None
+        tree = None
         if self.kernel_walk is None:
             steering = None if reqs is None else GrammarSteering(reqs, self.vocab_size, self._draft_ids)
             try:
@@ -461,54 +460,59 @@ class DSparkLiveWorker(BaseSpecWorker):
                     steering.close()
         else:
             base = self.kernel_walk.base_logits(hidden)  # the steering reads them too
-            if branch_width:
-                draft, branches = self.kernel_walk.greedy_with_branch(hidden, bonus, branch_width, base)
-                branch = branches[0]
-            elif bool(params.greedy.all()):
+            if bool(params.greedy.all()):
                 draft = self.kernel_walk.greedy(hidden, bonus, base)
             else:
                 draft = self.kernel_walk.sampled(hidden, bonus, params, self.generator, base)
             if reqs is not None:
                 steer_walked_block(draft, reqs, params, bonus, self.vocab_size, self._draft_ids,
                                    self._slot_logits(hidden, base), self.generator)
+            if tree_nodes:
+                tree = self.kernel_walk.tree(base[0], int(bonus[0]), tree_nodes)
         times.walk, _ = _lap(clock)
-        return draft, branch
+        return draft, tree
 
-    def _branch_width(self, batch: ScheduleBatch, params: SamplingParams, draft_width: int) -> int:
-        """Drafts of a second branch to walk for this step (`DSPARK_BRANCH_DRAFTS`; 0: none): only
-        for a lone greedy request, with the walk kernel, in a block wide enough. Requests whose
-        verify rows SGLang's sampler would change (penalties, grammars, logit bias, custom
-        processors, min_new_tokens) or that ask for logprobs or hidden states keep the chain alone:
-        the branch is accepted against the target's own argmax."""
-        drafts = self.settings.branch_drafts
-        if (drafts == 0 or self.kernel_walk is None or len(batch.reqs) != 1 or draft_width < drafts
-                or not bool(params.greedy[0]) or not _plain_greedy_rows(batch)):
+    def _tree_nodes(self, batch: ScheduleBatch, params: SamplingParams) -> int:
+        """Drafts to verify as a tree this step (`DSPARK_TREE_NODES`; 0: a chain): only for a lone
+        greedy request, with the walk kernel, where the paged kernel verifies (`_trees_verifiable`).
+        Requests whose verify rows SGLang's sampler would change (penalties, grammars, logit bias,
+        custom processors, min_new_tokens) or that ask for logprobs or hidden states keep the
+        chain: a tree is accepted against the target's own argmax."""
+        nodes = self.settings.tree_nodes
+        if (nodes == 0 or self.kernel_walk is None or len(batch.reqs) != 1 or not bool(params.greedy[0])
+                or not _plain_greedy_rows(batch) or not self._trees_verifiable):
             return 0
-        return drafts
+        return nodes
 
-    def _branch(self, branch: torch.Tensor | None, plan) -> tuple[torch.Tensor | None, object]:
-        """The walked runner-up branch where the plan verifies the chain, and the plan with its
-        chain cut to make room; (None, plan) where no branch applies. The branch is the drafter's
-        runner-up first draft and the walk on from it over the same block: at batch 1 a verify row
-        costs ~0.5 ms of a ~22 ms forward (2 rows 21.7 ms, 4 rows 22.9, 8 rows 24.5, session 51),
-        and the runner-up is the target's choice in ~11 % of the rounds, all where the chain's
-        first draft is not (`scripts/lookup_replay.py`; served: 105 of 931 rounds)."""
-        if branch is None or int(plan.verify_lens[0]) < 1:
+    @cached_property
+    def _trees_verifiable(self) -> bool:
+        """Whether every attention layer of the target verifies through the paged kernel, the one
+        verify attention that takes a tree window (each row attends to its own ancestry)."""
+        if torch.device(self.device).type != "cpu" or self.settings.verify_attention != "linear":
+            return False
+        from sglang.srt.layers.radix_attention import RadixAttention
+
+        layers = [module for module in self.model_runner.model.modules() if isinstance(module, RadixAttention)]
+        cache_dtype = self.model_runner.token_to_kv_pool.get_key_buffer(0).dtype
+        return bool(layers) and all(layer_fits(layer, self.model_runner.dtype, cache_dtype) for layer in layers)
+
+    def _tree_plan(self, tree: DraftTree | None, plan, chain: list[int]) -> tuple[DraftTree | None, object]:
+        """The tree where the plan verifies drafts (None where it verifies none), and the plan
+        with the chain's verify length cut to the part of the chain the tree holds, so the
+        calibration learns from exactly those drafts (`_chain_accepted`); the cost table learns
+        the rows the step really verifies."""
+        if tree is None or int(plan.verify_lens[0]) < 1:
             return None, plan
-        drafts = len(branch)
-        plan.verify_lens[0] = min(int(plan.verify_lens[0]), self.gamma - drafts)  # chain + branch: gamma drafts
-        if plan.step_shape is not None:  # the cost table learns the rows this step really verifies
-            shape = plan.step_shape
-            plan = dataclasses.replace(plan, step_shape=dataclasses.replace(
-                shape, batch_tokens=1 + int(plan.verify_lens[0]) + drafts))
-        return branch, plan
+        plan.verify_lens[0] = min(int(plan.verify_lens[0]), tree.chain_depth(chain))
+        if plan.step_shape is not None:
+            plan = dataclasses.replace(plan, step_shape=dataclasses.replace(plan.step_shape, batch_tokens=tree.rows))
+        return tree, plan
 
-    def _take_branch_slots(self, slot: int, committed: int, chain_slots: list[int], branch_slots: list[int],
-                           accepted: int) -> None:
-        """Give the request's positions past its bonus the KV slots where a winning branch's accepted
-        drafts were computed (`decoding.branch_slot_order`: the same slots, reordered)."""
+    def _take_tree_slots(self, slot: int, committed: int, node_slots: list[int], accepted_rows: list[int]) -> None:
+        """Give the request's positions past its bonus the KV slots where its accepted nodes' KV
+        was computed (`decoding.tree_slot_order`: the window's own slots, reordered)."""
         req_to_token = self.req_to_token_pool.req_to_token
-        order = branch_slot_order(chain_slots, branch_slots, accepted)
+        order = tree_slot_order(node_slots, accepted_rows)
         req_to_token[slot, committed + 1: committed + 1 + len(order)] = torch.tensor(order, dtype=req_to_token.dtype,
                                                                                   device=req_to_token.device)
 
@@ -605,7 +609,7 @@ class DSparkLiveWorker(BaseSpecWorker):
 
     def _verify_forward(self, batch: ScheduleBatch, slots: torch.Tensor, seq_lens: torch.Tensor,
                         bonus: torch.Tensor, drafts: torch.Tensor, verify_lens: torch.Tensor,
-                        branch: torch.Tensor | None = None):
+                        tree: DraftTree | None = None):
         """One TARGET_VERIFY forward over each request's `[bonus, first verify_lens[b] drafts]`.
 
         Returns packed logits `[sum(w), V]` (on the device), taps `[sum(w), m*d]`, the window rows' KV slots,
@@ -613,30 +617,30 @@ class DSparkLiveWorker(BaseSpecWorker):
         None), and the seconds of the target forward alone. The window's KV slots were reserved by the
         scheduler (`eagle_prepare_for_decode`: 2 x window past the committed length).
 
-        `branch` (batch 1): a second branch of drafts after the bonus, verified as a second request
-        in SGLang's request row 0, which the pool never hands out: its row holds the request's
-        prefix and bonus slots, then KV slots the request reserved past its chain, so each window
-        is causal over its own rows and the attention needs no mask. Its rows come last.
+        `tree` (batch 1): the window is `[bonus, tree nodes]` instead, each node at the position
+        after its parent's, attending to the prefix and its own ancestry (`verify_attention.tree_window`).
         """
         self._install_verify_attention()
-        window_lens = verify_lens + 1
-        request, offset = packed_rows(window_lens)
-        windows = torch.cat((bonus[:, None], drafts.cpu()), dim=1)
-        input_ids = windows[request, offset].to(self.device)
-        positions = seq_lens[request] + offset
         req_to_token = self.req_to_token_pool.req_to_token
-        out_cache_loc = req_to_token[slots[request].to(req_to_token.device),
-                                     positions.to(req_to_token.device)].to(torch.int64).cpu()
+        tree_layout = None
+        if tree is None:
+            window_lens = verify_lens + 1
+            request, offset = packed_rows(window_lens)
+            windows = torch.cat((bonus[:, None], drafts.cpu()), dim=1)
+            input_ids = windows[request, offset].to(self.device)
+            positions = seq_lens[request] + offset
+            out_cache_loc = req_to_token[slots[request].to(req_to_token.device),
+                                         positions.to(req_to_token.device)].to(torch.int64).cpu()
+        else:
+            committed, slot = int(seq_lens[0]), int(slots[0])
+            window_lens = torch.tensor([tree.rows])
+            input_ids = torch.tensor([int(bonus[0])] + tree.tokens, device=self.device)
+            positions = committed + torch.tensor([0] + tree.depths)
+            window_slots = req_to_token[slot, committed: committed + tree.rows]
+            out_cache_loc = window_slots.to(torch.int64).cpu()
+            tree_layout = KeyLayout.for_tree(req_to_token[slot, :committed], window_slots,
+                                             [tree.ancestry(row) for row in range(tree.rows)], self._kv_rows)
         spans = (seq_lens, window_lens)
-        if branch is not None:
-            committed, chain, slot = int(seq_lens[0]), int(verify_lens[0]), int(slots[0])
-            branch_slots = req_to_token[slot, committed + chain + 1: committed + chain + 1 + len(branch)]
-            req_to_token[VIRTUAL_ROW, : committed + 1] = req_to_token[slot, : committed + 1]
-            req_to_token[VIRTUAL_ROW, committed + 1: committed + 1 + len(branch)] = branch_slots
-            input_ids = torch.cat((input_ids, branch.to(self.device)))
-            positions = torch.cat((positions, committed + 1 + torch.arange(len(branch))))
-            out_cache_loc = torch.cat((out_cache_loc, branch_slots.to(torch.int64).cpu()))
-            spans = (torch.tensor([committed, committed + 1]), torch.tensor([chain + 1, len(branch)]))
         if bool((out_cache_loc <= 0).any()):
             raise RuntimeError("DSPARK_LIVE verify: a window slot was not reserved by the scheduler (KV id 0)")
 
@@ -650,13 +654,10 @@ class DSparkLiveWorker(BaseSpecWorker):
         try:
             forward_batch = ForwardBatch.init_new(batch, self.model_runner, capture_hidden_mode=CaptureHiddenMode.FULL,
                                                   return_hidden_states_before_norm=False)
-            if branch is not None:
-                forward_batch.batch_size = 2
-                forward_batch.req_pool_indices = torch.tensor(
-                    [int(slots[0]), VIRTUAL_ROW], dtype=forward_batch.req_pool_indices.dtype,
-                    device=forward_batch.req_pool_indices.device)
             _reshape_as_extend(forward_batch, *spans, self.device)
-            with _keeping_final_hidden(self.model_runner.model, batch.return_hidden_states):
+            trees = nullcontext() if tree_layout is None else verify_attention.tree_window(
+                self._attention_backends(), tree_layout)
+            with _keeping_final_hidden(self.model_runner.model, batch.return_hidden_states), trees:
                 forward_started = time.perf_counter()
                 result = self._target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch,
                                                                       is_verify=True)
@@ -678,7 +679,7 @@ class DSparkLiveWorker(BaseSpecWorker):
 
     def _record(self, batch, rids, slots, seq_lens, params, plan, num_accepted, chain_accepted, started, drafted,
                 verified, decision: StepDecision, caught_up: int, times: DraftTimes, forward_seconds: float,
-                between_steps: float | None, branch_drafts: int = 0, branch_accepted: int = 0):
+                between_steps: float | None, tree_drafts: int = 0):
         self._step += 1
         finished = time.perf_counter()
         committed = int(num_accepted.sum()) + len(rids)
@@ -703,17 +704,18 @@ class DSparkLiveWorker(BaseSpecWorker):
         accepted = num_accepted.tolist()
         lookup_drafts = [0] * len(rids) if plan.lookup_lens is None else plan.lookup_lens.tolist()
         lookup_matches = [0] * len(rids) if plan.lookup_matches is None else plan.lookup_matches.tolist()
+        tree_gain = accepted[0] - int(chain_accepted[0]) if tree_drafts else 0
         requests = [
             RequestStep(rid=str(rid), slot=int(slot), context_len=int(length), verify_len=verify_lens[b],
                         accepted=accepted[b], temperature=float(params.temperature[b]),
                         confidence_logits=confidences[b], survivals=survivals[b], lookup_drafts=lookup_drafts[b],
-                        lookup_match=lookup_matches[b], branch_drafts=branch_drafts if b == 0 else 0,
-                        branch_accepted=branch_accepted if b == 0 else 0)
+                        lookup_match=lookup_matches[b], tree_drafts=tree_drafts if b == 0 else 0,
+                        tree_gain=tree_gain if b == 0 else 0)
             for b, (rid, slot, length) in enumerate(zip(rids, slots.tolist(), seq_lens.tolist()))
         ]
         self.recorder.add(StepRecord(
             step=self._step, wall_time=time.time(), batch_size=len(rids), capacity=plan.capacity,
-            verify_tokens=sum(verify_lens) + len(rids) + branch_drafts, accepted_tokens=sum(accepted),
+            verify_tokens=1 + tree_drafts if tree_drafts else sum(verify_lens) + len(rids), accepted_tokens=sum(accepted),
             committed_tokens=sum(accepted) + len(rids), predicted_seconds=plan.predicted_seconds,
             measured_seconds=finished - started, draft_seconds=drafted - started,
             verify_seconds=verified - drafted, overlap=self.enable_overlap, drafted=decision.draft,
@@ -877,8 +879,8 @@ def _target_sampler_for(device) -> TargetSampler | None:
 
 
 def _plain_greedy_rows(batch: ScheduleBatch) -> bool:
-    """Whether the target's verify rows of this batch are its logits as they come (what a second
-    branch's rows are read as): no grammar, penalty, logit bias, custom processor or min_new_tokens
+    """Whether the target's verify rows of this batch are its logits as they come (what a tree's
+    rows are read as): no grammar, penalty, logit bias, custom processor or min_new_tokens
     ban changes them, and no request asks for logprobs or hidden states of them."""
     if batch.has_grammar or batch.return_logprob or batch.return_hidden_states:
         return False
@@ -913,6 +915,23 @@ def _add_logit_bias(logits: torch.Tensor, logit_bias: torch.Tensor | None, windo
         return
     request, _ = packed_rows(window_lens)
     logits.add_(logit_bias[request.to(logit_bias.device), : logits.shape[1]].to(logits.device, logits.dtype))
+
+
+def _tree_outcome(committed_tokens: list[int], stride: int) -> VerifyResult:
+    """A tree's greedy outcome as a one-row `VerifyResult`: the accepted drafts, then the bonus."""
+    tokens = torch.full((1, stride), NO_TOKEN, dtype=torch.long)
+    tokens[0, : len(committed_tokens)] = torch.tensor(committed_tokens, dtype=torch.long)
+    return VerifyResult(num_accepted=torch.tensor([len(committed_tokens) - 1]), tokens=tokens)
+
+
+def _chain_accepted(chain: list[int], committed_tokens: list[int]) -> torch.Tensor:
+    """Drafts of the walked chain a chain verify would have accepted, `[1]`: its leading tokens
+    the target committed. Exact for a chain the tree holds as a path (`_tree_plan` cuts it so):
+    the tree's greedy walk then follows it as far as the target agrees, and one token beyond."""
+    accepted = 0
+    while accepted < len(chain) and accepted < len(committed_tokens) and chain[accepted] == committed_tokens[accepted]:
+        accepted += 1
+    return torch.tensor([accepted])
 
 
 def _committed_rows(window_lens: torch.Tensor, accept_lens: torch.Tensor) -> torch.Tensor:

@@ -15,12 +15,13 @@
 // sampling needs as p_d. A row with scale 0 is greedy inside a sampled batch: its argmax, and a
 // one-hot distribution on it.
 //
-// A greedy walk may also walk a runner-up branch per row (branch_width > 0): its first draft is
-// slot 0's best column other than the chain's, then the walk goes on from it over slots 1..
-// branch_width-1 of the same block (no confidences). Slot 0's scores are already there, so the
-// branch costs only its own later slots.
+// dspark_grow_tree grows one request's best-first tree of drafts (decoding/tree.py's grow_tree:
+// the same nodes, listed best first instead of level by level): it expands the most probable
+// candidate each time, scoring its children with the same slot scores as the walk, so a tree of
+// n nodes costs n + 1 slot scorings.
 #include <stdint.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -53,22 +54,18 @@ struct Walk {
   const float* min_p;  // sampled walk: [rows], 0 = off
   const double* uniforms;  // sampled walk: [rows, width] in [0, 1)
   float* probs;  // sampled walk: [rows, width, draft_vocab], each draft's distribution
-  int64_t branch_width;  // greedy walk: drafts of a runner-up branch per row (0: none)
-  int64_t* branch_tokens;  // greedy walk: [rows, branch_width] target ids, or null
 };
 
-// scores[j] = base[b, k, j] + the Markov bias given prev; writes slot k's confidence unless
-// `confidence` is false (a branch's slots).
+// scores[j] = base[b, k, j] + the Markov bias given prev; writes slot k's confidence.
 template <typename T>
-void slot_scores(const Walk& w, int64_t b, int64_t k, int64_t prev, float* embedding, float* scores, bool bf16,
-                 bool confidence = true) {
+void slot_scores(const Walk& w, int64_t b, int64_t k, int64_t prev, float* embedding, float* scores, bool bf16) {
   const T* w1 = static_cast<const T*>(w.w1);
   const T* w2 = static_cast<const T*>(w.w2);
   const T* proj = static_cast<const T*>(w.proj);
   if (w1 != nullptr)
     for (int64_t r = 0; r < w.rank; ++r) embedding[r] = load(w1, prev * w.rank + r);
   const T* h = static_cast<const T*>(w.hidden) + b * w.hidden_row_stride + k * w.hidden_slot_stride;
-  if (proj != nullptr && confidence) {
+  if (proj != nullptr) {
     float sum = 0.0f;
     for (int64_t i = 0; i < w.hidden_size; ++i) sum += load(h, i) * load(proj, i);
     if (w.proj_reads_markov)
@@ -99,14 +96,6 @@ int64_t argmax_scores(const float* scores, int64_t n) {
   int64_t best = 0;
   for (int64_t j = 1; j < n && !std::isnan(scores[best]); ++j)
     if (scores[j] > scores[best] || std::isnan(scores[j])) best = j;
-  return best;
-}
-
-// The first maximum among the columns other than `excluded` (a NaN wins, as in argmax_scores).
-int64_t argmax_except(const float* scores, int64_t n, int64_t excluded) {
-  int64_t best = excluded == 0 ? 1 : 0;
-  for (int64_t j = best + 1; j < n && !std::isnan(scores[best]); ++j)
-    if (j != excluded && (scores[j] > scores[best] || std::isnan(scores[j]))) best = j;
   return best;
 }
 
@@ -190,19 +179,74 @@ void walk_row(const Walk& w, int64_t b, float* scores, float* embedding, std::ve
                         order);
     prev = w.d2t != nullptr ? w.d2t[chosen] : chosen;
     w.tokens[slot] = prev;
-    if (k == 0 && w.branch_width > 0)  // slot 0's runner-up, a draft column until its walk below
-      w.branch_tokens[b * w.branch_width] = argmax_except(scores, w.draft_vocab, chosen);
   }
-  if (w.branch_width == 0) return;
-  int64_t* branch = w.branch_tokens + b * w.branch_width;
-  prev = w.d2t != nullptr ? w.d2t[branch[0]] : branch[0];
-  branch[0] = prev;
-  for (int64_t k = 1; k < w.branch_width; ++k) {
-    slot_scores<T>(w, b, k, prev, embedding, scores, bf16, false);
-    const int64_t chosen = argmax_scores(scores, w.draft_vocab);
-    prev = w.d2t != nullptr ? w.d2t[chosen] : chosen;
-    branch[k] = prev;
+}
+
+// log(sum_j e^scores[j]), as torch's logsumexp: the maximum, plus the log of the shifted sum.
+float log_sum_exp(const float* scores, int64_t n) {
+  const float top = max_of(scores, n);
+  if (!std::isfinite(top)) return top;
+  double total = 0.0;
+  for (int64_t j = 0; j < n; j += 16) {
+    const lanemask mask = first_lanes(n - j);
+    const vec16 x = vsub(vload_masked(mask, scores + j), vset1(top));
+    total += vreduce_add(vselect(mask & vge(x, vset1(-87.0f)), exp_nonpositive(x), vzero()));
   }
+  return top + static_cast<float>(std::log(total));
+}
+
+// The `m` best columns of scores, best first (a tie goes to the lower column); returns how many.
+int64_t best_columns(const float* scores, int64_t n, int64_t m, int64_t* columns) {
+  int64_t count = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (std::isnan(scores[j]) || (count == m && scores[j] <= scores[columns[count - 1]])) continue;
+    int64_t at = count < m ? count++ : m - 1;
+    for (; at > 0 && scores[j] > scores[columns[at - 1]]; --at) columns[at] = columns[at - 1];
+    columns[at] = j;
+  }
+  return count;
+}
+
+struct TreeCandidate {
+  float score;  // the path's summed log-probability
+  int64_t depth, parent_row, token;
+};
+
+// Row 0 of `w` is the request; its anchor is the bonus token. Writes up to `nodes` nodes (target
+// ids, parent rows with 0 the bonus, depths), parents before children; returns how many.
+template <typename T>
+int64_t grow_tree_row(const Walk& w, int64_t nodes, int64_t children, bool bf16, int64_t* tokens, int64_t* parents,
+                      int64_t* depths) {
+  std::vector<float> scores(w.draft_vocab), embedding(w.rank > 0 ? w.rank : 1);
+  std::vector<int64_t> columns(children);
+  std::vector<TreeCandidate> heap;  // best on top; a tie goes to the shallower candidate (a parent before its child)
+  const auto worse = [](const TreeCandidate& a, const TreeCandidate& b) {
+    return a.score < b.score || (a.score == b.score && a.depth > b.depth);
+  };
+  const auto expand = [&](int64_t row, int64_t depth, int64_t token, float score) {
+    if (depth >= w.width) return;
+    slot_scores<T>(w, 0, depth, token, embedding.data(), scores.data(), bf16);
+    const float total = log_sum_exp(scores.data(), w.draft_vocab);
+    const int64_t found = best_columns(scores.data(), w.draft_vocab, children, columns.data());
+    for (int64_t i = 0; i < found; ++i) {
+      const int64_t column = columns[i];
+      heap.push_back({score + (scores[column] - total), depth + 1, row, w.d2t != nullptr ? w.d2t[column] : column});
+      std::push_heap(heap.begin(), heap.end(), worse);
+    }
+  };
+  expand(0, 0, w.anchors[0], 0.0f);
+  int64_t count = 0;
+  while (count < nodes && !heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), worse);
+    const TreeCandidate best = heap.back();
+    heap.pop_back();
+    tokens[count] = best.token;
+    parents[count] = best.parent_row;
+    depths[count] = best.depth;
+    ++count;
+    expand(count, best.depth, best.token, best.score);
+  }
+  return count;
 }
 
 void run_walk(const Walk& walk, int bf16, int threads) {
@@ -230,13 +274,25 @@ void dspark_greedy_walk(const void* base, int64_t base_row_stride, int64_t base_
                         const int64_t* anchors, const void* w1, const void* w2, int64_t w2_vocab_stride,
                         int64_t w2_rank_stride, int64_t rank, const void* proj, float proj_bias,
                         int proj_reads_markov, const int64_t* d2t, int64_t rows, int64_t width,
-                        int64_t draft_vocab, int bf16, int64_t* tokens, float* confidences, int threads,
-                        int64_t branch_width, int64_t* branch_tokens) {
+                        int64_t draft_vocab, int bf16, int64_t* tokens, float* confidences, int threads) {
   run_walk(Walk{base, base_row_stride, base_slot_stride, hidden, hidden_row_stride, hidden_slot_stride, hidden_size,
                 anchors, w1, w2, w2_vocab_stride, w2_rank_stride, rank, proj, proj_bias, proj_reads_markov, d2t, rows,
-                width, draft_vocab, tokens, confidences, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                branch_width, branch_tokens},
+                width, draft_vocab, tokens, confidences, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr},
            bf16, threads);
+}
+
+// One request's tree over its block's slot logits base [width, draft_vocab] (slot stride given):
+// up to `nodes` nodes, each node's `children` best children offered; returns the node count.
+int64_t dspark_grow_tree(const void* base, int64_t base_slot_stride, int64_t width, const int64_t* bonus,
+                         const void* w1, const void* w2, int64_t w2_vocab_stride, int64_t w2_rank_stride, int64_t rank,
+                         const int64_t* d2t, int64_t draft_vocab, int bf16, int64_t nodes, int64_t children,
+                         int64_t* tokens, int64_t* parents, int64_t* depths) {
+  const Walk walk{base, 0, base_slot_stride, nullptr, 0, 0, 0, bonus, w1, w2, w2_vocab_stride, w2_rank_stride, rank,
+                  nullptr, 0.0f, 0, d2t, 1, width, draft_vocab, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                  nullptr, nullptr};
+  if (children < 1 || nodes < 1) return 0;
+  return bf16 ? grow_tree_row<uint16_t>(walk, nodes, children, true, tokens, parents, depths)
+              : grow_tree_row<float>(walk, nodes, children, false, tokens, parents, depths);
 }
 
 // The greedy walk's arguments up to `threads`, then scale [rows] (1 / temperature; 0: greedy), top_k
@@ -252,7 +308,7 @@ void dspark_sampled_walk(const void* base, int64_t base_row_stride, int64_t base
                          const double* uniforms, float* probs) {
   run_walk(Walk{base, base_row_stride, base_slot_stride, hidden, hidden_row_stride, hidden_slot_stride, hidden_size,
                 anchors, w1, w2, w2_vocab_stride, w2_rank_stride, rank, proj, proj_bias, proj_reads_markov, d2t, rows,
-                width, draft_vocab, tokens, confidences, scale, top_k, top_p, min_p, uniforms, probs, 0, nullptr},
+                width, draft_vocab, tokens, confidences, scale, top_k, top_p, min_p, uniforms, probs},
            bf16, threads);
 }
 }
