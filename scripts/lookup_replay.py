@@ -1,4 +1,4 @@
-"""Replay the target's greedy answers to measure lookup drafts and a second branch against the drafter's blocks.
+"""Replay the target's greedy answers to measure lookup drafts and draft trees against the drafter's blocks.
 
     .venv/bin/python scripts/lookup_replay.py --per-domain 60 --out lookup-replay.json
 
@@ -11,11 +11,11 @@ drafter alone, the lookup wherever it fills the block, and the per-position surv
 Session 28 (180 prompts): tokens per round 2.005 macro with the drafter, 2.536 with lookups;
 a lookup fills the block at 45 % of the answers' positions (26 % of the rounds that use them).
 
-It also scores a second branch of drafts, what a tree verify would add: the drafter's runner-up
-first draft and the greedy walk from it (`--branch-drafts` drafts, from the same block), verified
-beside the chain cut to gamma + 1 - `--branch-drafts` drafts, so that a round verifies one row more
-than today's full chain. Session 50 (120 prompts, 3 branch drafts): 1.977 -> 2.158 tokens a
-drafter round, 2.531 -> 2.673 with lookups where they exist (+5.6 %).
+It also scores the tree a lone greedy request verifies instead of the chain (`--tree-nodes`
+drafts, `KernelWalk.tree` over the same block, as the server grows it). Session 50 scored a
+runner-up branch of 3 beside a chain of 5 this way (120 prompts): 1.977 -> 2.158 tokens a drafter
+round, 2.531 -> 2.673 with lookups where they exist (+5.6 %); session 53 replaced that branch
+with trees.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dspark_ctl.bench_serve import chat_texts
 from dspark_ctl.serve import ServerLaunch, drafter_or_shipped, prepared_target_path, running
+from sglang_dspark.decoding.tree import DraftTree
 from sglang_dspark.engine.lookup import SequenceLookup
 from sglang_dspark.kernels_cpu.draft_walk import KernelWalk
 from sglang_dspark.model import load_drafter, target_weights_of, taps_from_hidden_states
@@ -69,10 +70,23 @@ def accepted(proposal: list[int], answer: list[int], start: int) -> int:
     return count
 
 
+def tree_accepted(tree: DraftTree, answer: list[int], start: int) -> int:
+    """How many drafts of the tree the answer confirms from position `start` on: the path from the
+    root along the answer's tokens."""
+    row = count = 0
+    while start + count < len(answer):
+        child = next((node for node in range(1, tree.rows)
+                      if tree.parents[node - 1] == row and tree.tokens[node - 1] == answer[start + count]), None)
+        if child is None:
+            break
+        row, count = child, count + 1
+    return count
+
+
 def replay(answer: dict, target, drafter, kernel_walk: KernelWalk, gamma: int,
-           branch_drafts: int) -> list[tuple[int, int, int]]:
+           tree_nodes: int) -> list[tuple[int, int, int]]:
     """Per round start t: (drafter's accepted drafts, lookup's accepted drafts or -1 without a
-    lookup, the runner-up branch's accepted drafts)."""
+    lookup, the tree's accepted drafts)."""
     prompt, output = answer["prompt_ids"], answer["output_ids"]
     hidden = target(torch.tensor([prompt + output]), output_hidden_states=True).hidden_states
     taps = taps_from_hidden_states(hidden, list(drafter.target_layer_ids))[0]
@@ -82,26 +96,28 @@ def replay(answer: dict, target, drafter, kernel_walk: KernelWalk, gamma: int,
     rounds = []
     for t in range(len(output) - 1):
         bonus = torch.tensor([output[t]])
-        # the chain and the runner-up branch as the server walks them (`KernelWalk`)
-        block, branch = kernel_walk.greedy_with_branch(drafter.forward_block(cache, slot, bonus), bonus,
-                                                       branch_drafts)
+        # the chain and the tree as the server walks and grows them (`KernelWalk`)
+        hidden = drafter.forward_block(cache, slot, bonus)
+        base = kernel_walk.base_logits(hidden)
+        block = kernel_walk.greedy(hidden, bonus, base)
+        tree = kernel_walk.tree(base[0], output[t], tree_nodes)
         proposal = lookup.propose(output[t], gamma)
         rounds.append((accepted(block.tokens[0].tolist(), output, t + 1),
                        accepted(proposal, output, t + 1) if proposal else -1,
-                       accepted(branch[0].tolist(), output, t + 1)))
+                       tree_accepted(tree, output, t + 1)))
         drafter.append_context(cache, slot, taps[len(prompt) + t: len(prompt) + t + 1], torch.tensor([1]))
         lookup.extend([output[t]])
     return rounds
 
 
-def walk(rounds: list[tuple[int, int, int]], use_lookup: bool, chain_drafts: int | None = None) -> tuple[int, int]:
-    """(rounds, committed tokens) of decoding the answer with or without lookups; `chain_drafts`
-    given, drafter rounds verify that many drafts of the chain beside the runner-up branch."""
+def walk(rounds: list[tuple[int, int, int]], use_lookup: bool, use_tree: bool = False) -> tuple[int, int]:
+    """(rounds, committed tokens) of decoding the answer with or without lookups, drafter rounds
+    verifying the chain or the tree."""
     t = steps = committed = 0
     while t < len(rounds):
-        drafter_accepted, lookup_accepted, branch_accepted = rounds[t]
-        if chain_drafts is not None:
-            drafter_accepted = max(min(drafter_accepted, chain_drafts), branch_accepted)
+        drafter_accepted, lookup_accepted, tree_drafts_accepted = rounds[t]
+        if use_tree:
+            drafter_accepted = tree_drafts_accepted
         step = (lookup_accepted if use_lookup and lookup_accepted >= 0 else drafter_accepted) + 1
         steps, committed, t = steps + 1, committed + step, t + step
     return steps, committed
@@ -116,8 +132,7 @@ def main() -> None:
     parser.add_argument("--per-domain", type=int, default=60)
     parser.add_argument("--drafter", default=None)
     parser.add_argument("--port", type=int, default=31500)
-    parser.add_argument("--branch-drafts", type=int, default=3,
-                        help="drafts of the runner-up branch (the chain beside it keeps gamma + 1 - this many)")
+    parser.add_argument("--tree-nodes", type=int, default=15, help="drafts of the tree scored beside the chain")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -127,16 +142,15 @@ def main() -> None:
     drafter = load_drafter(drafter_or_shipped(args.drafter), target=target_weights_of(target)).float().eval()
     gamma = drafter.gamma
     kernel_walk = KernelWalk(drafter)
-    if not 1 <= args.branch_drafts <= gamma:
-        parser.error(f"--branch-drafts {args.branch_drafts}: expected 1..gamma={gamma}")
-    chain = gamma + 1 - args.branch_drafts
-    report: dict = {"prompts_per_domain": args.per_domain, "gamma": gamma, "branch_drafts": args.branch_drafts,
-                    "chain_drafts_beside_branch": chain, "domains": {}}
-    policies = {"drafter": (False, None), "with_lookup": (True, None),
-                "drafter_and_branch": (False, chain), "with_lookup_and_branch": (True, chain)}
+    if args.tree_nodes < 1:
+        parser.error(f"--tree-nodes {args.tree_nodes}: expected at least 1")
+    report: dict = {"prompts_per_domain": args.per_domain, "gamma": gamma, "tree_nodes": args.tree_nodes,
+                    "domains": {}}
+    policies = {"drafter": (False, False), "with_lookup": (True, False),
+                "drafter_tree": (False, True), "with_lookup_and_tree": (True, True)}
     with torch.no_grad():
         for domain in DOMAINS:
-            rounds = [replay(a, target, drafter, kernel_walk, gamma, args.branch_drafts)
+            rounds = [replay(a, target, drafter, kernel_walk, gamma, args.tree_nodes)
                       for a in answers if a["domain"] == domain]
             flat = [r for answer in rounds for r in answer]
             tau = {}
@@ -148,7 +162,7 @@ def main() -> None:
                 "lookup_round_share": round(sum(lookup >= 0 for _, lookup, _ in flat) / len(flat), 3),
                 "drafter_survival": survival([d for d, _, _ in flat], gamma),
                 "lookup_survival": survival([lookup for _, lookup, _ in flat if lookup >= 0], gamma),
-                "branch_survival": survival([b for _, _, b in flat], args.branch_drafts),
+                "tree_survival": survival([b for _, _, b in flat], gamma),
             }
     for name in (f"tau_{policy}" for policy in policies):
         report[f"macro_{name}"] = round(sum(d[name] for d in report["domains"].values()) / len(DOMAINS), 3)

@@ -319,7 +319,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             walked = torch.full((batch_size,), decision.draft, dtype=torch.bool)
             if has_lookups:
                 walked &= lookup_lens == 0
-            block = tree = None
+            block = tree_base = None
             if bool(walked.any()):
                 every_row = bool(walked.all())
                 rows = walked.nonzero().squeeze(-1)
@@ -330,9 +330,8 @@ class DSparkLiveWorker(BaseSpecWorker):
                 self.planner.draft_costs.add_catch_up(caught_up, times.catch_up)
                 constrained = None if not (batch.has_grammar and self.settings.grammar_steering) else (
                     batch.reqs if every_row else [batch.reqs[int(row)] for row in rows])
-                tree_nodes = self._tree_nodes(batch, params)
-                block, tree = self._draft_block(own[0], own[1], own[3], decision.draft_width, times, constrained,
-                                                tree_nodes)
+                block, tree_base = self._draft_block(own[0], own[1], own[3], decision.draft_width, times,
+                                                     constrained, self._grows_tree(batch, params))
                 clock = time.perf_counter()
                 self.planner.draft_costs.add(len(rows), decision.draft_width, times.block, times.walk)
             draft = block if not has_lookups else self._with_lookup_drafts(block, walked, proposals, params,
@@ -342,7 +341,7 @@ class DSparkLiveWorker(BaseSpecWorker):
             plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision, greedy=params.greedy,
                                      lookup_lens=lookup_lens if has_lookups else None, grammar_lens=grammar_lens,
                                      lookup_matches=lookup_matches if has_lookups else None)
-            tree, plan = self._tree_plan(tree, plan, draft.tokens[0].tolist())
+            tree, plan = self._tree_plan(tree_base, int(bonus[0]), plan, draft.tokens[0].tolist())
             times.plan, _ = _lap(clock)
             drafts = draft.tokens
         else:  # drafts would cost more than they return: this step is a plain decode step
@@ -437,19 +436,19 @@ class DSparkLiveWorker(BaseSpecWorker):
         return result
 
     def _draft_block(self, slots: torch.Tensor, bonus: torch.Tensor, params: SamplingParams, width: int,
-                     times: DraftTimes, reqs: list | None = None, tree_nodes: int = 0
-                     ) -> tuple[DraftBlock, DraftTree | None]:
+                     times: DraftTimes, reqs: list | None = None, grows_tree: bool = False
+                     ) -> tuple[DraftBlock, torch.Tensor | None]:
         """The drafter's block forward and Markov walk for these requests (timed into `times`), and
-        with `tree_nodes` (`_tree_nodes`) the lone request's tree of that many drafts over the
-        whole block, grown from the same slot logits (None otherwise).
+        where the lone request `grows_tree` (`_grows_tree`) its whole block's slot logits
+        `[gamma, V_draft]`, which the tree grows from once the plan is made (None otherwise).
         `reqs` (given when the batch holds grammars to steer by): the walk kernel walks first and
         rows are drawn again, steered, from a draft their grammar refuses; without the kernel the
         whole walk is steered (`engine.grammar`)."""
         clock = time.perf_counter()
-        width = self.gamma if tree_nodes else width
+        width = self.gamma if grows_tree else width
         hidden = self.drafter.forward_block(self.context, slots, bonus, width)
         times.block, clock = _lap(clock)
-        tree = None
+        tree_base = None
         if self.kernel_walk is None:
             steering = None if reqs is None else GrammarSteering(reqs, self.vocab_size, self._draft_ids)
             try:
@@ -467,22 +466,19 @@ class DSparkLiveWorker(BaseSpecWorker):
             if reqs is not None:
                 steer_walked_block(draft, reqs, params, bonus, self.vocab_size, self._draft_ids,
                                    self._slot_logits(hidden, base), self.generator)
-            if tree_nodes:
-                tree = self.kernel_walk.tree(base[0], int(bonus[0]), tree_nodes)
+            if grows_tree:
+                tree_base = base[0]
         times.walk, _ = _lap(clock)
-        return draft, tree
+        return draft, tree_base
 
-    def _tree_nodes(self, batch: ScheduleBatch, params: SamplingParams) -> int:
-        """Drafts to verify as a tree this step (`DSPARK_TREE_NODES`; 0: a chain): only for a lone
-        greedy request, with the walk kernel, where the paged kernel verifies (`_trees_verifiable`).
-        Requests whose verify rows SGLang's sampler would change (penalties, grammars, logit bias,
-        custom processors, min_new_tokens) or that ask for logprobs or hidden states keep the
-        chain: a tree is accepted against the target's own argmax."""
-        nodes = self.settings.tree_nodes
-        if (nodes == 0 or self.kernel_walk is None or len(batch.reqs) != 1 or not bool(params.greedy[0])
-                or not _plain_greedy_rows(batch) or not self._trees_verifiable):
-            return 0
-        return nodes
+    def _grows_tree(self, batch: ScheduleBatch, params: SamplingParams) -> bool:
+        """Whether this step verifies a tree instead of a chain (`DSPARK_TREE_NODES`; 0: never): only
+        for a lone greedy request, with the walk kernel, where the paged kernel verifies
+        (`_trees_verifiable`). Requests whose verify rows SGLang's sampler would change (penalties,
+        grammars, logit bias, custom processors, min_new_tokens) or that ask for logprobs or hidden
+        states keep the chain: a tree is accepted against the target's own argmax."""
+        return (self.settings.tree_nodes > 0 and self.kernel_walk is not None and len(batch.reqs) == 1
+                and bool(params.greedy[0]) and _plain_greedy_rows(batch) and self._trees_verifiable)
 
     @cached_property
     def _trees_verifiable(self) -> bool:
@@ -496,14 +492,20 @@ class DSparkLiveWorker(BaseSpecWorker):
         cache_dtype = self.model_runner.token_to_kv_pool.get_key_buffer(0).dtype
         return bool(layers) and all(layer_fits(layer, self.model_runner.dtype, cache_dtype) for layer in layers)
 
-    def _tree_plan(self, tree: DraftTree | None, plan, chain: list[int]) -> tuple[DraftTree | None, object]:
-        """The tree where the plan verifies drafts (None where it verifies none), and the plan
-        with the chain's verify length cut to the part of the chain the tree holds, so the
-        calibration learns from exactly those drafts (`_chain_accepted`); the cost table learns
-        the rows the step really verifies."""
-        if tree is None or int(plan.verify_lens[0]) < 1:
+    def _tree_plan(self, base: torch.Tensor | None, bonus: int, plan, chain: list[int]
+                   ) -> tuple[DraftTree | None, object]:
+        """The tree grown from the block's slot logits `base` where the plan verifies k >= 1 drafts
+        of the chain (None otherwise): 2k + 1 nodes, at most `DSPARK_TREE_NODES`. The planner's k
+        is what the cost model lets a chain verify at this context, so the tree's rows shrink with
+        it where rows grow dear (each row attends to the whole context: ~2.5 ms a row at 3,500
+        tokens against ~0.3 at 300 on the Zen 4 CPU). And the plan, its chain's verify length cut
+        to the part of the chain the tree holds, so the calibration learns from exactly those
+        drafts (`_chain_accepted`); the cost table learns the rows the step really verifies."""
+        planned = int(plan.verify_lens[0])
+        if base is None or planned < 1:
             return None, plan
-        plan.verify_lens[0] = min(int(plan.verify_lens[0]), tree.chain_depth(chain))
+        tree = self.kernel_walk.tree(base, bonus, min(self.settings.tree_nodes, 2 * planned + 1))
+        plan.verify_lens[0] = min(planned, tree.chain_depth(chain))
         if plan.step_shape is not None:
             plan = dataclasses.replace(plan, step_shape=dataclasses.replace(plan.step_shape, batch_tokens=tree.rows))
         return tree, plan
@@ -829,7 +831,7 @@ class DraftTimes:
     catch_up: float = 0.0  # committed taps projected into the drafter context
     block: float = 0.0  # the drafter's parallel block forward
     walk: float = 0.0  # the Markov walk sampling the drafts, with their confidences
-    plan: float = 0.0  # the verify lengths from the survivals
+    plan: float = 0.0  # the verify lengths from the survivals, and a lone request's tree grown to fit them
 
 
 def _lap(since: float) -> tuple[float, float]:
