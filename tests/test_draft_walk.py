@@ -56,35 +56,10 @@ def test_the_greedy_walk_drafts_what_sample_block_drafts(dtype, name, served_lay
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["dspark, reduced vocabulary", "dspark, full vocabulary", "dflash twin (no heads)"])
-def test_a_tree_grown_from_the_walks_slot_logits_scores_drafts_as_the_walk_does(dtype, name):
-    """The tree the worker verifies at batch 1 grows from the walk's own slot logits and the
-    drafter's Markov bias: its best first draft scores what the walk's first draft scores (the
-    best; bf16 logits tie, and either may take a tied column), in target ids."""
-    drafter = _drafter(dtype, DRAFTERS[name], served_layout=True)
-    generator = torch.Generator().manual_seed(6)
-    hidden = torch.randn(5, 7, 64, generator=generator).to(dtype)
-    anchors = torch.randint(0, 512, (5,), generator=generator)
-    walk = KernelWalk(drafter)
-    draft_ids = drafter.d2t if drafter.d2t is not None else torch.arange(drafter.config.draft_vocab_size)
-    with torch.inference_mode():
-        base = walk.base_logits(hidden)
-        chain = walk.greedy(hidden, anchors, base)
-        for row in range(5):
-            def bias(parents, slot, row=row):
-                return drafter.markov_bias(parents, hidden[row, slot].expand(len(parents), -1), None)[0]
-            tree = grow_tree(base[row], int(anchors[row]), bias, drafter.d2t, nodes=7)
-            scores = base[row, 0].float() + bias(anchors[row : row + 1], 0)[0].float()
-            column = {int(token): index for index, token in enumerate(draft_ids)}
-            best = float(scores.max())
-            assert float(scores[column[tree.tokens[0]]]) == best, f"row {row}: the tree's best first draft"
-            assert float(scores[column[int(chain.tokens[row, 0])]]) == best
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["dspark, reduced vocabulary", "dspark, full vocabulary", "dflash twin (no heads)"])
 def test_the_kernel_grows_the_tree_the_torch_growth_grows(dtype, name):
     """`KernelWalk.tree` (best first, in one call) holds the nodes `decoding.tree.grow_tree` holds:
-    the same paths, or where bfloat16 scores tie, paths of the same scores."""
+    the same paths, or where bfloat16 scores tie, paths of the same scores. Both score drafts as
+    the walk does: the best first draft scores what the walk's first draft scores."""
     drafter = _drafter(dtype, DRAFTERS[name], served_layout=True)
     generator = torch.Generator().manual_seed(8)
     hidden = torch.randn(3, 7, 64, generator=generator).to(dtype)
@@ -94,9 +69,13 @@ def test_the_kernel_grows_the_tree_the_torch_growth_grows(dtype, name):
     column = {int(token): index for index, token in enumerate(draft_ids)}
     with torch.inference_mode():
         base = walk.base_logits(hidden)
+        chain = walk.greedy(hidden, anchors, base)
         for row in range(3):
             def bias(parents, slot, row=row):
                 return drafter.markov_bias(parents, hidden[row, slot].expand(len(parents), -1), None)[0]
+
+            first = base[row, 0].float() + bias(anchors[row : row + 1], 0)[0].float()
+            assert float(first[column[int(chain.tokens[row, 0])]]) == float(first.max())
 
             def score(path, row=row):
                 total, prev = 0.0, int(anchors[row])
@@ -110,6 +89,7 @@ def test_the_kernel_grows_the_tree_the_torch_growth_grows(dtype, name):
                 got = walk.tree(base[row], int(anchors[row]), nodes)
                 want = grow_tree(base[row], int(anchors[row]), bias, drafter.d2t, nodes)
                 assert got.rows == want.rows == nodes + 1
+                assert float(first[column[got.tokens[0]]]) == float(first.max()), "the best first draft comes first"
                 assert all(parent < node for node, parent in enumerate(got.parents, start=1)), "a child before its parent"
                 got_paths = sorted(tuple(got.tokens[r - 1] for r in got.ancestry(n)[1:]) for n in range(1, got.rows))
                 want_paths = sorted(tuple(want.tokens[r - 1] for r in want.ancestry(n)[1:]) for n in range(1, want.rows))
