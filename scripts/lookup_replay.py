@@ -31,7 +31,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dspark_ctl.bench_serve import chat_texts
 from dspark_ctl.serve import ServerLaunch, drafter_or_shipped, prepared_target_path, running
-from sglang_dspark.decoding.tree import DraftTree
 from sglang_dspark.engine.lookup import SequenceLookup
 from sglang_dspark.kernels_cpu.draft_walk import KernelWalk
 from sglang_dspark.model import load_drafter, target_weights_of, taps_from_hidden_states
@@ -70,19 +69,6 @@ def accepted(proposal: list[int], answer: list[int], start: int) -> int:
     return count
 
 
-def tree_accepted(tree: DraftTree, answer: list[int], start: int) -> int:
-    """How many drafts of the tree the answer confirms from position `start` on: the path from the
-    root along the answer's tokens."""
-    row = count = 0
-    while start + count < len(answer):
-        child = next((node for node in range(1, tree.rows)
-                      if tree.parents[node - 1] == row and tree.tokens[node - 1] == answer[start + count]), None)
-        if child is None:
-            break
-        row, count = child, count + 1
-    return count
-
-
 def replay(answer: dict, target, drafter, kernel_walk: KernelWalk, gamma: int,
            tree_nodes: int) -> list[tuple[int, int, int]]:
     """Per round start t: (drafter's accepted drafts, lookup's accepted drafts or -1 without a
@@ -104,7 +90,7 @@ def replay(answer: dict, target, drafter, kernel_walk: KernelWalk, gamma: int,
         proposal = lookup.propose(output[t], gamma)
         rounds.append((accepted(block.tokens[0].tolist(), output, t + 1),
                        accepted(proposal, output, t + 1) if proposal else -1,
-                       tree_accepted(tree, output, t + 1)))
+                       len(tree.follow(output[t + 1: t + 1 + gamma]))))
         drafter.append_context(cache, slot, taps[len(prompt) + t: len(prompt) + t + 1], torch.tensor([1]))
         lookup.extend([output[t]])
     return rounds

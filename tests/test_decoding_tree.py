@@ -111,3 +111,10 @@ def test_accepted_nodes_take_the_first_kv_slots_and_every_slot_is_kept() -> None
     assert order[:2] == [102, 104]
     assert sorted(order) == node_slots, "a slot was lost or shared"
     assert tree_slot_order(node_slots, []) == node_slots
+
+
+def test_following_tokens_walks_the_path_the_tree_holds() -> None:
+    tree = DraftTree(tokens=[4, 5, 6, 7], parents=[0, 0, 1, 3], depths=[1, 1, 2, 3])
+    assert tree.follow([4, 6, 7, 1]) == [1, 3, 4]
+    assert tree.follow([5, 6]) == [2]
+    assert tree.follow([]) == []

@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -58,16 +59,27 @@ class DraftTree:
             path.append(self.parents[path[-1] - 1])
         return path[::-1]
 
+    @cached_property
+    def _children(self) -> dict[tuple[int, int], int]:
+        """(parent row, token) -> the first child row holding it."""
+        children: dict[tuple[int, int], int] = {}
+        for row, (parent, token) in enumerate(zip(self.parents, self.tokens), start=1):
+            children.setdefault((parent, token), row)
+        return children
+
+    def follow(self, tokens: list[int]) -> list[int]:
+        """The rows of the path from the root along `tokens` (drafts after the bonus), as far as
+        the tree holds it."""
+        rows, row = [], 0
+        for token in tokens:
+            if (row := self._children.get((row, token))) is None:
+                break
+            rows.append(row)
+        return rows
+
     def chain_depth(self, chain: list[int]) -> int:
         """How many leading tokens of `chain` (drafts after the bonus) the tree holds as a path."""
-        row = depth = 0
-        for token in chain:
-            row = next((child for child, (parent, own) in enumerate(zip(self.parents, self.tokens), start=1)
-                        if parent == row and own == token), 0)
-            if row == 0:
-                break
-            depth += 1
-        return depth
+        return len(self.follow(chain))
 
     def accept_greedy(self, target_argmax: list[int]) -> tuple[list[int], list[int]]:
         """(accepted node rows, committed tokens) given the target's argmax after every row: the
@@ -75,11 +87,8 @@ class DraftTree:
         nodes' tokens and the argmax after the last of them."""
         if len(target_argmax) != self.rows:
             raise ValueError(f"{len(target_argmax)} target choices for a tree of {self.rows} rows")
-        children: dict[tuple[int, int], int] = {}
-        for row, (parent, token) in enumerate(zip(self.parents, self.tokens), start=1):
-            children.setdefault((parent, token), row)
         accepted, row = [], 0
-        while (child := children.get((row, target_argmax[row]))) is not None:
+        while (child := self._children.get((row, target_argmax[row]))) is not None:
             accepted.append(child)
             row = child
         return accepted, [self.tokens[r - 1] for r in accepted] + [target_argmax[row]]
