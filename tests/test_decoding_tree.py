@@ -7,7 +7,9 @@ import itertools
 import pytest
 import torch
 
-from sglang_dspark.decoding.tree import DraftTree, grow_tree, tree_slot_order
+from sglang_dspark.decoding.sampling import SamplingParams, logits_to_probs
+from sglang_dspark.decoding.tree import DraftTree, accept_sampled, grow_tree, tree_slot_order
+from sglang_dspark.kernels_cpu.target_sampling import kernel_sampler
 
 
 def _markov(vocab: int, seed: int):
@@ -49,6 +51,9 @@ def test_a_tree_holds_the_most_probable_continuations_of_the_bonus(seed: int, no
     got = _paths(tree)
     assert len(got) == len(set(got)) == nodes
     assert min(scores[path] for path in got) >= threshold - 1e-5, "a less probable path displaced a better one"
+    ordered = [scores[path] for path in got]
+    assert all(a >= b - 1e-5 for a, b in zip(ordered, ordered[1:])), "rows are not listed best first"
+    assert _paths(tree.first(nodes // 2)) == got[: nodes // 2]  # the best half, as a tree of its own
 
 
 def test_a_tree_maps_draft_ids_to_target_ids_and_orders_parents_first() -> None:
@@ -98,6 +103,50 @@ def test_greedy_acceptance_commits_exactly_what_greedy_decoding_would() -> None:
         assert committed[-1] not in children, "the walk stopped though a child held the target's choice"
 
 
+def _target_logits(prefix: tuple[int, ...], vocab: int = 5) -> torch.Tensor:
+    """A toy target's logits after `prefix`: far from uniform, different after every prefix."""
+    seed = sum((token + 1) * 31 ** i for i, token in enumerate(prefix))
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 1.5
+
+
+@pytest.mark.parametrize("sampler", [None, kernel_sampler], ids=["torch", "kernel"])
+def test_sampled_acceptance_draws_exactly_the_targets_distribution(sampler) -> None:
+    """Two committed tokens' joint frequencies over 8,000 walks match the target's
+    p(t1) p(t2 | t1) under its temperature and top-k, for tokens the tree holds and for
+    those it does not (which end the walk)."""
+    bonus = 2
+    tree = DraftTree(tokens=[0, 1, 3, 4, 0], parents=[0, 0, 1, 1, 2], depths=[1, 1, 2, 2, 2])
+    paths = [tuple(tree.tokens[r - 1] for r in tree.ancestry(row)[1:]) for row in range(tree.rows)]
+    logits = torch.stack([_target_logits((bonus,) + path) for path in paths])
+    params = SamplingParams.uniform(1, temperature=0.8, top_k=4)
+    probs = {path: logits_to_probs(row.unsqueeze(0), params)[0] for path, row in zip(paths, logits)}
+    generator, walks = torch.Generator().manual_seed(3), 8_000
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(walks):
+        accepted, committed = accept_sampled(tree, logits, params, generator, sampler)
+        assert committed[:-1] == [tree.tokens[row - 1] for row in accepted]
+        key = tuple(committed[:2])
+        counts[key] = counts.get(key, 0) + 1
+    for first in range(5):
+        expected_first = float(probs[()][first])
+        seen_first = sum(n for key, n in counts.items() if key[0] == first) / walks
+        assert abs(seen_first - expected_first) < 4 * (expected_first * (1 - expected_first) / walks) ** 0.5 + 1e-9
+        if (first,) not in probs:  # not in the tree: the walk ends there
+            assert all(len(key) == 1 for key in counts if key[0] == first)
+            continue
+        for second in range(5):
+            expected = expected_first * float(probs[(first,)][second])
+            seen = counts.get((first, second), 0) / walks
+            assert abs(seen - expected) < 4 * (expected * (1 - expected) / walks) ** 0.5 + 1e-9
+    assert counts.get((1, 0), 0) > 0 or float(probs[(1,)][0]) == 0  # a depth-2 node was reached
+
+
+def test_sampled_acceptance_refuses_rows_that_do_not_fit_the_tree() -> None:
+    tree = DraftTree(tokens=[0, 1], parents=[0, 0], depths=[1, 1])
+    with pytest.raises(ValueError, match="expected \\[3, V\\]"):
+        accept_sampled(tree, torch.zeros(2, 5), SamplingParams.uniform(1), None)
+
+
 def test_the_walked_chain_depth_is_the_part_of_it_the_tree_holds_as_a_path() -> None:
     tree = DraftTree(tokens=[4, 5, 6, 7], parents=[0, 0, 1, 3], depths=[1, 1, 2, 3])
     assert tree.chain_depth([4, 6, 7, 1]) == 3
@@ -118,3 +167,12 @@ def test_following_tokens_walks_the_path_the_tree_holds() -> None:
     assert tree.follow([4, 6, 7, 1]) == [1, 3, 4]
     assert tree.follow([5, 6]) == [2]
     assert tree.follow([]) == []
+
+
+def test_a_tree_takes_a_path_it_lacks_as_new_rows_after_its_own() -> None:
+    tree = DraftTree(tokens=[5, 6, 7], parents=[0, 0, 1], depths=[1, 1, 2])
+    assert tree.with_path([5, 7]) == tree  # it holds that path already
+    grown = tree.with_path([5, 8, 9])
+    assert grown.tokens[:3] == tree.tokens and grown.rows == tree.rows + 2
+    assert grown.follow([5, 8, 9]) == [1, 4, 5] and grown.depths[3:] == [2, 3]
+    assert DraftTree(tokens=[], parents=[], depths=[]).with_path([4, 4]).parents == [0, 1]

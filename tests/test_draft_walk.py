@@ -91,6 +91,8 @@ def test_the_kernel_grows_the_tree_the_torch_growth_grows(dtype, name):
                 assert got.rows == want.rows == nodes + 1
                 assert float(first[column[got.tokens[0]]]) == float(first.max()), "the best first draft comes first"
                 assert all(parent < node for node, parent in enumerate(got.parents, start=1)), "a child before its parent"
+                listed = [score(tuple(got.tokens[r - 1] for r in got.ancestry(n)[1:])) for n in range(1, got.rows)]
+                assert all(a >= b - 1e-3 for a, b in zip(listed, listed[1:])), "nodes not listed best first"
                 got_paths = sorted(tuple(got.tokens[r - 1] for r in got.ancestry(n)[1:]) for n in range(1, got.rows))
                 want_paths = sorted(tuple(want.tokens[r - 1] for r in want.ancestry(n)[1:]) for n in range(1, want.rows))
                 if got_paths != want_paths:

@@ -117,6 +117,28 @@ def test_a_tree_of_drafts_at_batch_1_keeps_greedy_output_exact(servers, baseline
     assert any(gains), f"none of {len(treed)} trees committed a draft off the walked chain: the slot move went untested"
 
 
+def test_a_lone_sampled_request_verifies_a_tree_and_keeps_to_the_targets_choices(servers, baseline_outputs,
+                                                                                 server_pool):
+    """A lone sampled request verifies a tree too, each row the walk reaches drawing the target's
+    token afresh. Where top-k 1 or min-p 1 leaves the target only its most likely token, the text
+    is exactly plain greedy's, though the tree's nodes are the drafter's most probable and not its
+    sampled chain alone; each tree holds that chain's verified drafts (their rejection sampling,
+    replayed on those rows, is what the calibration learns from) and some commit drafts off it."""
+    tree = server_pool.get("dspark_tree")[0].url
+    logged_before = len(_step_log(server_pool, "dspark_tree"))
+    for i, narrow in zip((0, 2, 5), ({"top_k": 1}, {"min_p": 1.0}, {"top_k": 1})):
+        got = generate(tree, PROMPTS[i], temperature=1.0, max_new_tokens=MAX_NEW[i], ignore_eos=True, **narrow)
+        assert got["output_ids"] == baseline_outputs[i]["output_ids"], f"request {i} ({narrow}) left the argmax"
+    rows = [step["requests"][0] for step in _step_log(server_pool, "dspark_tree")[logged_before:]
+            if step["batch_size"] == 1]  # (the log may still have been catching up on greedy steps)
+    treed = [row for row in rows if row["tree_drafts"] > 0 and row["temperature"] == 1.0]
+    assert treed, "no sampled step verified a tree"
+    assert all(1 <= row["verify_len"] <= row["tree_drafts"] for row in treed)
+    gains = [row["tree_gain"] for row in treed]
+    assert all(gain >= 0 for gain in gains), "a tree committed fewer drafts than its chain would have"
+    assert any(gains), f"none of {len(treed)} sampled trees committed a draft off the sampled chain"
+
+
 @pytest.mark.parametrize("flavour", ["dspark_overlap", "dspark_sync"])
 def test_a_prefix_served_by_the_radix_cache_seeds_the_drafter_from_the_tap_store(servers, flavour):
     """A repeated prompt's prefix comes from SGLang's radix cache (no target forward, so no taps):

@@ -980,7 +980,7 @@ def test_a_tree_is_verified_only_where_the_rows_are_the_targets_own_logits():
     or not it reads the request."""
     from types import SimpleNamespace
 
-    from sglang_dspark.engine.worker import _plain_greedy_rows
+    from sglang_dspark.engine.worker import _plain_rows
 
     def batch(info=None, **request_params):
         params = SimpleNamespace(**({"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
@@ -991,9 +991,9 @@ def test_a_tree_is_verified_only_where_the_rows_are_the_targets_own_logits():
         return SimpleNamespace(has_grammar=False, return_logprob=False, return_hidden_states=False,
                                sampling_info=info, reqs=[req])
 
-    assert _plain_greedy_rows(batch())
-    assert not _plain_greedy_rows(batch(SimpleNamespace(logit_bias=None, has_custom_logit_processor=True)))
-    assert not _plain_greedy_rows(batch(SimpleNamespace(logit_bias=torch.zeros(1, 8),
-                                                        has_custom_logit_processor=False)))
-    assert not _plain_greedy_rows(batch(frequency_penalty=0.5))
-    assert not _plain_greedy_rows(batch(min_new_tokens=4))
+    assert _plain_rows(batch())
+    assert not _plain_rows(batch(SimpleNamespace(logit_bias=None, has_custom_logit_processor=True)))
+    assert not _plain_rows(batch(SimpleNamespace(logit_bias=torch.zeros(1, 8),
+                                                 has_custom_logit_processor=False)))
+    assert not _plain_rows(batch(frequency_penalty=0.5))
+    assert not _plain_rows(batch(min_new_tokens=4))

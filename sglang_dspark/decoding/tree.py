@@ -1,4 +1,4 @@
-"""A best-first tree of drafts for one greedy request, and its greedy acceptance (pure torch).
+"""A best-first tree of drafts for one request, and its acceptance, greedy or sampled (pure torch).
 
 At batch 1 on a CPU a verify row costs a few percent of the forward, so more drafts per step pay
 if they are the right ones. A chain spends every row on one guess per position; a tree spends
@@ -10,9 +10,16 @@ SmolLM2 drafter (session 53), greedy tau: a chain of 7 drafts 2.14, a chain of 5
 branch of 2 (what batch 1 served before) 2.29, a tree of 7 nodes 2.43, of 15 nodes 2.72.
 
 Row 0 of a tree is the bonus token (the root); rows 1.. are its nodes, each after its parent,
-so a row's ancestors all come before it. Greedy acceptance walks from the root, each time to the
-child holding the target's argmax, and commits those tokens plus the argmax after the last:
-exactly greedy decoding, whatever the tree holds.
+so a row's ancestors all come before it. Acceptance walks from the root, each time to the child
+holding the target's next token, and commits those tokens plus the target's token after the
+last. Greedy, that token is the row's argmax: exactly greedy decoding, whatever the tree holds.
+Sampled (`accept_sampled`), it is drawn afresh from the row's distribution (temperature, top-k,
+top-p, min-p), one row after the other: the walk is ancestral sampling of the target, each token
+drawn from its distribution given the tokens committed before it, so the output distribution is
+exactly the target's, whatever the tree holds. The tree only decides how far one forward reaches:
+a node survives with the target's probability of its token, so children the drafter ranks
+differently than the target still count (a chain's rejection sampling accepts its one draft with
+probability sum(min(p_t, p_d)) instead).
 """
 
 from __future__ import annotations
@@ -23,6 +30,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+
+from sglang_dspark.decoding.sampling import SamplingParams
+from sglang_dspark.decoding.verification import TargetSampler, TorchTargetRows
 
 MarkovBias = Callable[[torch.Tensor, int], torch.Tensor]
 """(parent target ids `[n]`, block slot k) -> the drafter's bias `[n, V_draft]` at slot k."""
@@ -77,21 +87,62 @@ class DraftTree:
             rows.append(row)
         return rows
 
+    def first(self, nodes: int) -> DraftTree:
+        """The tree of the first `nodes` nodes (each row's parent comes before it, so they are a
+        tree): a best-first tree's `nodes` best."""
+        return DraftTree(tokens=self.tokens[:nodes], parents=self.parents[:nodes], depths=self.depths[:nodes])
+
+    def with_path(self, tokens: list[int]) -> DraftTree:
+        """This tree holding `tokens` (drafts after the bonus) as a path: the nodes it lacks are
+        added after its own rows, each after its parent."""
+        rows = self.follow(tokens)
+        own_tokens, parents, depths = list(self.tokens), list(self.parents), list(self.depths)
+        row = rows[-1] if rows else 0
+        for token in tokens[len(rows):]:
+            own_tokens.append(token)
+            parents.append(row)
+            depths.append(1 if row == 0 else depths[row - 1] + 1)
+            row = len(own_tokens)
+        return DraftTree(tokens=own_tokens, parents=parents, depths=depths)
+
     def chain_depth(self, chain: list[int]) -> int:
         """How many leading tokens of `chain` (drafts after the bonus) the tree holds as a path."""
         return len(self.follow(chain))
 
-    def accept_greedy(self, target_argmax: list[int]) -> tuple[list[int], list[int]]:
-        """(accepted node rows, committed tokens) given the target's argmax after every row: the
-        walk from the root to the child holding each argmax; the committed tokens are the accepted
-        nodes' tokens and the argmax after the last of them."""
-        if len(target_argmax) != self.rows:
-            raise ValueError(f"{len(target_argmax)} target choices for a tree of {self.rows} rows")
+    def accept(self, target_token: Callable[[int], int]) -> tuple[list[int], list[int]]:
+        """(accepted node rows, committed tokens) given `target_token(row)`, the target's token
+        after a row, asked once for each row the walk reaches, in order: the walk from the root to
+        the child holding each token; the committed tokens are the accepted nodes' tokens and the
+        target's token after the last of them."""
         accepted, row = [], 0
-        while (child := self._children.get((row, target_argmax[row]))) is not None:
+        while (child := self._children.get((row, token := target_token(row)))) is not None:
             accepted.append(child)
             row = child
-        return accepted, [self.tokens[r - 1] for r in accepted] + [target_argmax[row]]
+        return accepted, [self.tokens[r - 1] for r in accepted] + [token]
+
+    def accept_greedy(self, target_argmax: list[int]) -> tuple[list[int], list[int]]:
+        """`accept` given the target's argmax after every row."""
+        if len(target_argmax) != self.rows:
+            raise ValueError(f"{len(target_argmax)} target choices for a tree of {self.rows} rows")
+        return self.accept(target_argmax.__getitem__)
+
+
+def accept_sampled(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                   sampler: TargetSampler | None = None) -> tuple[list[int], list[int]]:
+    """`DraftTree.accept` for a sampled request: `logits [tree.rows, V]` its verify rows, `params`
+    its sampling parameters (one request); each row the walk reaches draws its token from the
+    target's distribution there (`sampler` serves it without materialising it where it can, as in
+    `verification.verify_packed`), and only those rows are ever normalised."""
+    if logits.dim() != 2 or logits.shape[0] != tree.rows or params.batch_size != 1:
+        raise ValueError(f"logits {tuple(logits.shape)} and {params.batch_size} requests' parameters for a tree "
+                         f"of {tree.rows} rows: expected [{tree.rows}, V] and one request")
+
+    def draw(row: int) -> int:
+        rows = torch.tensor([row])
+        target = (sampler(logits, rows, params) if sampler is not None else None) or TorchTargetRows(logits, rows, params)
+        return int(target.sample(torch.tensor([0]), generator)[0])
+
+    return tree.accept(draw)
 
 
 def grow_tree(base_logits: torch.Tensor, bonus: int, markov_bias: MarkovBias, draft_to_target: torch.Tensor | None,
@@ -104,7 +155,8 @@ def grow_tree(base_logits: torch.Tensor, bonus: int, markov_bias: MarkovBias, dr
     best children, scored by the path's summed log-probability. A path's score only falls as it
     grows, so a node scored below the `nodes`-th best score seen so far can be in the tree no
     more than its descendants: it leaves the frontier. The tree is the `nodes` best of all, and
-    every kept node's parent is kept too.
+    every kept node's parent is kept too. Its rows are listed best first, so its first m nodes
+    are the tree of the m best (`DraftTree.first`).
     """
     width = base_logits.shape[0]
     if nodes < 1 or width < 1:
@@ -140,7 +192,6 @@ def grow_tree(base_logits: torch.Tensor, bonus: int, markov_bias: MarkovBias, dr
         frontier_ids = [index for _, _, index in level]
     # best first; a tie goes to the shallower node, so a parent always comes before its child
     chosen = sorted(range(1, len(candidates)), key=lambda i: (-candidates[i][0], candidates[i][1]))[:nodes]
-    chosen.sort(key=lambda i: (candidates[i][1], i))  # level order: parents before children
     row_of = {0: 0}
     tokens, parents, depths = [], [], []
     for index in chosen:

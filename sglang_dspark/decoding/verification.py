@@ -248,6 +248,9 @@ class TargetRows(Protocol):
     def probs_at(self, index: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """p_t of ``tokens[j]`` in row ``index[j]``: ``[n]``."""
 
+    def sample(self, index: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """A token drawn from p_t in each row ``index[j]``: ``[n]``."""
+
     def sample_final(self, index: torch.Tensor, rejected: torch.Tensor, draft: DraftBlock, requests: torch.Tensor,
                      slots: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """Each request's last token, drawn in row ``index[j]``: where ``rejected[j]``, from the
@@ -268,6 +271,9 @@ class TorchTargetRows:
 
     def probs_at(self, index: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return self.probs[index, tokens]
+
+    def sample(self, index: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        return sample_from_probs(self.probs[index], generator)
 
     def sample_final(self, index: torch.Tensor, rejected: torch.Tensor, draft: DraftBlock, requests: torch.Tensor,
                      slots: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

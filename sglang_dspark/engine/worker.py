@@ -47,7 +47,7 @@ from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 
 from sglang_dspark.decoding import DraftBlock, SamplingParams, sample_block, verify_greedy, verify_packed
-from sglang_dspark.decoding.tree import DraftTree, tree_slot_order
+from sglang_dspark.decoding.tree import DraftTree, accept_sampled, tree_slot_order
 from sglang_dspark.decoding.verification import NO_TOKEN, TargetSampler, VerifyResult
 from sglang_dspark.engine import verify_attention
 from sglang_dspark.engine.grammar import (GrammarSteering, SlotLogits, apply_grammar_masks, guide_drafts,
@@ -341,7 +341,8 @@ class DSparkLiveWorker(BaseSpecWorker):
             plan = self.planner.plan(rids, draft.confidence_logits, seq_lens, decision, greedy=params.greedy,
                                      lookup_lens=lookup_lens if has_lookups else None, grammar_lens=grammar_lens,
                                      lookup_matches=lookup_matches if has_lookups else None)
-            tree, plan = self._tree_plan(tree_base, int(bonus[0]), plan, draft.tokens[0].tolist())
+            tree, plan = self._tree_plan(tree_base, int(bonus[0]), plan, draft.tokens[0].tolist(),
+                                         bool(params.greedy[0]))
             times.plan, _ = _lap(clock)
             drafts = draft.tokens
         else:  # drafts would cost more than they return: this step is a plain decode step
@@ -359,11 +360,18 @@ class DSparkLiveWorker(BaseSpecWorker):
             request_penalties.active or reads_request(req) for req, request_penalties in zip(batch.reqs, penalties)])
         logprob_rows = None
         tree_accepted: list[int] = []
-        if tree is not None:  # a lone plain greedy request: its rows are the target's own logits
+        if tree is not None:  # a lone request with plain rows: they are the target's own logits
             window_lens = torch.tensor([tree.rows])
-            tree_accepted, committed_tokens = tree.accept_greedy(self.row_argmax(logits).cpu().tolist())
+            if bool(params.greedy[0]):
+                tree_accepted, committed_tokens = tree.accept_greedy(self.row_argmax(logits).cpu().tolist())
+                chain_accepted = _chain_accepted(draft.tokens[0, : int(plan.verify_lens[0])].tolist(),
+                                                 committed_tokens)
+            else:
+                logits = logits.cpu()
+                tree_accepted, committed_tokens = accept_sampled(tree, logits, params, self.verify_generator,
+                                                                 self.target_sampler)
+                chain_accepted = self._sampled_chain_round(tree, draft, logits, plan.verify_lens, params)
             outcome = _tree_outcome(committed_tokens, self.stride)
-            chain_accepted = _chain_accepted(draft.tokens[0, : int(plan.verify_lens[0])].tolist(), committed_tokens)
         else:
             window_lens = plan.verify_lens + 1
             _ban_stop_tokens(logits, min_new_tokens_bans(batch.reqs), seq_lens, window_lens)
@@ -473,12 +481,12 @@ class DSparkLiveWorker(BaseSpecWorker):
 
     def _grows_tree(self, batch: ScheduleBatch, params: SamplingParams) -> bool:
         """Whether this step verifies a tree instead of a chain (`DSPARK_TREE_NODES`; 0: never): only
-        for a lone greedy request, with the walk kernel, where the paged kernel verifies
+        for a lone request, greedy or sampled, with the walk kernel, where the paged kernel verifies
         (`_trees_verifiable`). Requests whose verify rows SGLang's sampler would change (penalties,
         grammars, logit bias, custom processors, min_new_tokens) or that ask for logprobs or hidden
-        states keep the chain: a tree is accepted against the target's own argmax."""
+        states keep the chain: a tree is accepted on the target's own distributions."""
         return (self.settings.tree_nodes > 0 and self.kernel_walk is not None and len(batch.reqs) == 1
-                and bool(params.greedy[0]) and _plain_greedy_rows(batch) and self._trees_verifiable)
+                and _plain_rows(batch) and self._trees_verifiable)
 
     @cached_property
     def _trees_verifiable(self) -> bool:
@@ -492,23 +500,47 @@ class DSparkLiveWorker(BaseSpecWorker):
         cache_dtype = self.model_runner.token_to_kv_pool.get_key_buffer(0).dtype
         return bool(layers) and all(layer_fits(layer, self.model_runner.dtype, cache_dtype) for layer in layers)
 
-    def _tree_plan(self, base: torch.Tensor | None, bonus: int, plan, chain: list[int]
+    def _tree_plan(self, base: torch.Tensor | None, bonus: int, plan, chain: list[int], greedy: bool
                    ) -> tuple[DraftTree | None, object]:
         """The tree grown from the block's slot logits `base` where the plan verifies k >= 1 drafts
         of the chain (None otherwise): 2k + 1 nodes, at most `DSPARK_TREE_NODES`. The planner's k
         is what the cost model lets a chain verify at this context, so the tree's rows shrink with
         it where rows grow dear (each row attends to the whole context: ~2.5 ms a row at 3,500
-        tokens against ~0.3 at 300 on the Zen 4 CPU). And the plan, its chain's verify length cut
-        to the part of the chain the tree holds, so the calibration learns from exactly those
-        drafts (`_chain_accepted`); the cost table learns the rows the step really verifies."""
+        tokens against ~0.3 at 300 on the Zen 4 CPU). And the plan, its chain's verify length the
+        part of the chain the tree holds, so the calibration learns from exactly those drafts; the
+        cost table learns the rows the step really verifies. Greedy, the chain is the drafter's
+        argmax walk, which the best-first tree mostly holds: its verify length is cut to what the
+        tree holds (`_chain_accepted`). Sampled, the chain's drafts were drawn from the drafter and
+        may leave the tree, and a cut where they leave would keep only its likelier drafts (an
+        optimistic calibration): the tree holds the chain's k drafts too, and as many of the best
+        nodes as fit beside them (`_sampled_chain_round`)."""
         planned = int(plan.verify_lens[0])
         if base is None or planned < 1:
             return None, plan
-        tree = self.kernel_walk.tree(base, bonus, min(self.settings.tree_nodes, 2 * planned + 1))
-        plan.verify_lens[0] = min(planned, tree.chain_depth(chain))
+        nodes = min(self.settings.tree_nodes, 2 * planned + 1)
+        if greedy:
+            tree = self.kernel_walk.tree(base, bonus, nodes)
+            plan.verify_lens[0] = min(planned, tree.chain_depth(chain))
+        else:
+            best, held = self.kernel_walk.tree(base, bonus, nodes), chain[: min(planned, nodes)]
+            kept = nodes
+            while (tree := best.first(kept).with_path(held)).rows - 1 > nodes:  # ends by kept = nodes - len(held)
+                kept -= tree.rows - 1 - nodes
+            plan.verify_lens[0] = len(held)
         if plan.step_shape is not None:
             plan = dataclasses.replace(plan, step_shape=dataclasses.replace(plan.step_shape, batch_tokens=tree.rows))
         return tree, plan
+
+    def _sampled_chain_round(self, tree: DraftTree, draft: DraftBlock, logits: torch.Tensor,
+                             verify_lens: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Drafts of a sampled request's chain (the first `verify_lens[0]`, which its tree holds as a
+        path) that a chain verify would have accepted, `[1]`: the chain's rejection sampling run on
+        the tree rows that hold it, with uniforms of its own. Its outcome is distributed as the
+        chain verify's would have been, which is what the calibration learns from; the output is
+        the tree's walk."""
+        rows = [0] + tree.follow(draft.tokens[0, : int(verify_lens[0])].tolist())
+        return verify_packed(draft, logits[rows], verify_lens, params, self.verify_generator,
+                             sampler=self.target_sampler).num_accepted
 
     def _take_tree_slots(self, slot: int, committed: int, node_slots: list[int], accepted_rows: list[int]) -> None:
         """Give the request's positions past its bonus the KV slots where its accepted nodes' KV
@@ -880,7 +912,7 @@ def _target_sampler_for(device) -> TargetSampler | None:
     return kernel_sampler
 
 
-def _plain_greedy_rows(batch: ScheduleBatch) -> bool:
+def _plain_rows(batch: ScheduleBatch) -> bool:
     """Whether the target's verify rows of this batch are its logits as they come (what a tree's
     rows are read as): no grammar, penalty, logit bias, custom processor or min_new_tokens
     ban changes them, and no request asks for logprobs or hidden states of them."""
@@ -920,7 +952,7 @@ def _add_logit_bias(logits: torch.Tensor, logit_bias: torch.Tensor | None, windo
 
 
 def _tree_outcome(committed_tokens: list[int], stride: int) -> VerifyResult:
-    """A tree's greedy outcome as a one-row `VerifyResult`: the accepted drafts, then the bonus."""
+    """A tree's outcome as a one-row `VerifyResult`: the accepted drafts, then the bonus."""
     tokens = torch.full((1, stride), NO_TOKEN, dtype=torch.long)
     tokens[0, : len(committed_tokens)] = torch.tensor(committed_tokens, dtype=torch.long)
     return VerifyResult(num_accepted=torch.tensor([len(committed_tokens) - 1]), tokens=tokens)

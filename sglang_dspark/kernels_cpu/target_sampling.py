@@ -86,6 +86,11 @@ class KernelTargetRows:
                                                  out.data_ptr())
         return out
 
+    def sample(self, index: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        out = torch.empty(len(index), dtype=torch.int64)
+        self._sample(index, torch.rand(len(index), dtype=torch.float64, generator=generator), out, slice(None))
+        return out
+
     def sample_final(self, index: torch.Tensor, rejected: torch.Tensor, draft: DraftBlock, requests: torch.Tensor,
                      slots: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         uniforms = torch.rand(len(index), dtype=torch.float64, generator=generator)
