@@ -289,9 +289,12 @@ def _by_kind(steps: list[dict]) -> dict[str, dict]:
 
 def _drafter_rounds(steps: list[dict]) -> dict | None:
     """The drafter's request rounds (not lookup rounds) of the drafting steps: drafts verified and
-    accepted per round, the share that accepted none, and per draft position the survival the
-    planner predicted (calibrated confidence) against the share of rounds that verified the
-    position and accepted it (None: never verified there)."""
+    accepted (committed) per round, the share that accepted none, and per draft position the
+    survival the planner predicted (calibrated confidence) against the share of rounds that
+    verified the position and whose chain accepted it (None: never verified there). A round that
+    verified a tree commits its tree's drafts, but its survivals are its chain's: the chain's own
+    outcome is what the tree's gain leaves (`trees`: those rounds, their nodes, committed drafts
+    and gain over the chain)."""
     rounds = [r for s in steps if s["drafted"] for r in s.get("requests", ())
               if r.get("lookup_drafts", 0) == 0 and r["verify_len"] > 0]
     if not rounds:
@@ -301,7 +304,9 @@ def _drafter_rounds(steps: list[dict]) -> dict | None:
     for k in range(width):
         verified = [r for r in rounds if r["verify_len"] > k and len(r.get("survivals") or ()) > k]
         predicted.append(round(statistics.mean(r["survivals"][k] for r in verified), 3) if verified else None)
-        measured.append(round(sum(r["accepted"] > k for r in verified) / len(verified), 3) if verified else None)
+        measured.append(round(sum(r["accepted"] - r.get("tree_gain", 0) > k for r in verified) / len(verified), 3)
+                        if verified else None)
+    trees = [r for r in rounds if r.get("tree_drafts", 0) > 0]
     return {
         "rounds": len(rounds),
         "verified_mean": statistics.mean(r["verify_len"] for r in rounds),
@@ -309,6 +314,12 @@ def _drafter_rounds(steps: list[dict]) -> dict | None:
         "none_accepted_share": sum(r["accepted"] == 0 for r in rounds) / len(rounds),
         "survival_predicted": predicted,
         "survival_measured": measured,
+        "trees": {
+            "share": len(trees) / len(rounds),
+            "drafts_mean": statistics.mean(r["tree_drafts"] for r in trees),
+            "accepted_mean": statistics.mean(r["accepted"] for r in trees),
+            "gain_mean": statistics.mean(r["tree_gain"] for r in trees),
+        } if trees else None,
     }
 
 
@@ -474,10 +485,19 @@ def _arm_tables(report: dict) -> list:
             if summary.get("decode_steps"):
                 kinds = summary.get("by_kind", {})
                 rounds = summary.get("drafter_rounds")
-                steps.add_row(arm, level, *(_kind_cell(kinds.get(kind)) for kind in STEP_KINDS),
-                              "-" if rounds is None else (f"{rounds['accepted_mean']:.2f} of {rounds['verified_mean']:.2f} "
-                                                          f"accepted, {100 * rounds['none_accepted_share']:.0f} % none"))
+                steps.add_row(arm, level, *(_kind_cell(kinds.get(kind)) for kind in STEP_KINDS), _rounds_cell(rounds))
     return [throughput, steps] if steps.row_count else [throughput]
+
+
+def _rounds_cell(rounds: dict | None) -> str:
+    """Drafts accepted of those verified a round, rounds accepting none, and the trees' share and gain."""
+    if rounds is None:
+        return "-"
+    cell = (f"{rounds['accepted_mean']:.2f} of {rounds['verified_mean']:.2f} accepted, "
+            f"{100 * rounds['none_accepted_share']:.0f} % none")
+    trees = rounds.get("trees")
+    return cell if trees is None else (f"{cell}; trees {100 * trees['share']:.0f} % "
+                                       f"({trees['drafts_mean']:.1f} nodes, +{trees['gain_mean']:.2f})")
 
 
 def _ratio_of(arm: str) -> tuple[str | None, str]:

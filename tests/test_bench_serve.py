@@ -355,10 +355,11 @@ def test_verify_cost_compares_the_contexts_overall_and_at_the_width_both_verifie
 
 def test_step_summary_says_which_kind_of_step_delivers_the_tokens(tmp_path):
     """Drafter steps, lookup-only steps and one-token steps apart: their share, tokens a step and
-    the worker's tokens/s, and the drafter's rounds with the survival predicted against measured."""
-    def request(verify_len: int, accepted: int, lookup: int = 0, survivals=()) -> dict:
+    the worker's tokens/s, and the drafter's rounds with the survival predicted against measured
+    (a tree's round measured by its chain: the drafts the tree committed less its gain)."""
+    def request(verify_len: int, accepted: int, lookup: int = 0, survivals=(), tree=(0, 0)) -> dict:
         return {"temperature": 0.0, "verify_len": verify_len, "accepted": accepted, "lookup_drafts": lookup,
-                "survivals": list(survivals)}
+                "survivals": list(survivals), "tree_drafts": tree[0], "tree_gain": tree[1]}
 
     def step(drafted: bool, measured: float, requests: list[dict], block: float = 0.0) -> dict:
         committed = sum(r["accepted"] for r in requests) + len(requests)
@@ -367,7 +368,8 @@ def test_step_summary_says_which_kind_of_step_delivers_the_tokens(tmp_path):
 
     drafter = [step(True, 0.030, [request(2, 0, survivals=(0.6, 0.3))], block=0.001),
                step(True, 0.026, [request(2, 2, survivals=(0.8, 0.5))], block=0.001),
-               step(True, 0.028, [request(1, 1, survivals=(0.7,))], block=0.001)]
+               step(True, 0.028, [request(1, 1, survivals=(0.7,))], block=0.001),
+               step(True, 0.027, [request(2, 3, survivals=(0.9, 0.2), tree=(5, 2))], block=0.001)]
     # the step chose to draft, but its only request had a lookup: the drafter ran no row
     lookup = [step(True, 0.025, [request(7, 3, lookup=7)])]
     plain = [step(False, 0.020, [request(0, 0)])] * 4
@@ -376,18 +378,20 @@ def test_step_summary_says_which_kind_of_step_delivers_the_tokens(tmp_path):
     summary = step_summary(log)
 
     kinds = summary["by_kind"]
-    assert kinds["drafter"]["share"] == pytest.approx(3 / 8)
-    assert kinds["drafter"]["committed_per_step"] == pytest.approx((1 + 3 + 2) / 3)
-    assert kinds["drafter"]["worker_tok_s"] == pytest.approx(6 / 0.084)
-    assert kinds["lookup"] == pytest.approx({"share": 1 / 8, "committed_per_step": 4, "step_seconds_median": 0.025,
+    assert kinds["drafter"]["share"] == pytest.approx(4 / 9)
+    assert kinds["drafter"]["committed_per_step"] == pytest.approx((1 + 3 + 2 + 4) / 4)
+    assert kinds["drafter"]["worker_tok_s"] == pytest.approx(10 / 0.111)
+    assert kinds["lookup"] == pytest.approx({"share": 1 / 9, "committed_per_step": 4, "step_seconds_median": 0.025,
                                              "worker_tok_s": 4 / 0.025})
     assert kinds["plain"]["worker_tok_s"] == pytest.approx(1 / 0.020)
 
     rounds = summary["drafter_rounds"]
-    assert rounds["rounds"] == 3 and rounds["none_accepted_share"] == pytest.approx(1 / 3)
-    assert rounds["verified_mean"] == pytest.approx(5 / 3) and rounds["accepted_mean"] == pytest.approx(1.0)
-    assert rounds["survival_predicted"] == pytest.approx([0.7, 0.4])
-    assert rounds["survival_measured"] == pytest.approx([2 / 3, 0.5], abs=1e-3), "position 2: verified twice, accepted once"
+    assert rounds["rounds"] == 4 and rounds["none_accepted_share"] == pytest.approx(1 / 4)
+    assert rounds["verified_mean"] == pytest.approx(7 / 4) and rounds["accepted_mean"] == pytest.approx(1.5)
+    assert rounds["survival_predicted"] == pytest.approx([0.75, 1 / 3], abs=1e-3)
+    # position 2: verified three times, accepted once (the tree's chain accepted one draft of two)
+    assert rounds["survival_measured"] == pytest.approx([3 / 4, 1 / 3], abs=1e-3)
+    assert rounds["trees"] == pytest.approx({"share": 1 / 4, "drafts_mean": 5, "accepted_mean": 3, "gain_mean": 2})
 
 
 def test_step_summary_of_a_log_without_rounds_or_committed_tokens(tmp_path):
@@ -409,7 +413,8 @@ def test_report_tables_show_throughput_ratios_and_step_kinds_for_a_terminal():
 
     kind = {"share": 0.7, "committed_per_step": 2.02, "step_seconds_median": 0.0255, "worker_tok_s": 79.2}
     steps = {"decode_steps": 10, "by_kind": {"drafter": kind},
-             "drafter_rounds": {"accepted_mean": 1.02, "verified_mean": 3.26, "none_accepted_share": 0.48}}
+             "drafter_rounds": {"accepted_mean": 1.02, "verified_mean": 3.26, "none_accepted_share": 0.48,
+                                "trees": {"share": 0.45, "drafts_mean": 9.3, "accepted_mean": 1.5, "gain_mean": 0.51}}}
     report = {
         "arms": {"plain": {"1": {"aggregate_tok_s": 48.2, "pooled_tok_s": 48.0, "per_user_tok_s": 46.8}},
                  "dspark": {"1": {"aggregate_tok_s": 85.0, "pooled_tok_s": 81.6, "per_user_tok_s": 88.5, "tau": 2.52,
@@ -425,6 +430,7 @@ def test_report_tables_show_throughput_ratios_and_step_kinds_for_a_terminal():
     dspark_x = next(line for line in text.splitlines() if "dspark.x" in line)
     assert "dspark" in dspark_x.split("dspark.x", 1)[1] and "0.94x (-, -)" in dspark_x, "a variant against its base"
     assert "70 %, 2.02, 25.5 ms, 79" in text and "1.02 of 3.26 accepted, 48 % none" in text
+    assert "trees 45 % (9.3 nodes, +0.51)" in text
     assert text.count("dspark.x") == 1, "a cell without steps gets no step row"
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sglang_dspark.decoding.sampling import SamplingParams, logits_to_probs
+from sglang_dspark.decoding.verification import DraftBlock
 from sglang_dspark.decoding.tree import DraftTree, accept_sampled, grow_tree, tree_slot_order
 from sglang_dspark.kernels_cpu.target_sampling import kernel_sampler
 
@@ -111,40 +112,53 @@ def _target_logits(prefix: tuple[int, ...], vocab: int = 5) -> torch.Tensor:
 
 @pytest.mark.parametrize("sampler", [None, kernel_sampler], ids=["torch", "kernel"])
 def test_sampled_acceptance_draws_exactly_the_targets_distribution(sampler) -> None:
-    """Two committed tokens' joint frequencies over 8,000 walks match the target's
-    p(t1) p(t2 | t1) under its temperature and top-k, for tokens the tree holds and for
-    those it does not (which end the walk)."""
-    bonus = 2
-    tree = DraftTree(tokens=[0, 1, 3, 4, 0], parents=[0, 0, 1, 1, 2], depths=[1, 1, 2, 2, 2])
-    paths = [tuple(tree.tokens[r - 1] for r in tree.ancestry(row)[1:]) for row in range(tree.rows)]
-    logits = torch.stack([_target_logits((bonus,) + path) for path in paths])
+    """8,000 walks, each over the best nodes plus a chain of two drafts freshly drawn from the
+    drafter's distributions (so the tree's shape changes with the chain, as served): the first two
+    tokens (the second drawn from the target after the first where the walk stopped there, as the
+    next step would) follow the target's p(t1) p(t2 | t1) under its temperature and top-k, and the
+    chain's first draft is accepted as often as a chain verify's rejection sampling would accept
+    it, sum(min(p_t, p_d))."""
+    vocab, bonus = 5, 2
     params = SamplingParams.uniform(1, temperature=0.8, top_k=4)
-    probs = {path: logits_to_probs(row.unsqueeze(0), params)[0] for path, row in zip(paths, logits)}
+    paths = [()] + [(a,) for a in range(vocab)]
+    logits_of = {path: _target_logits((bonus,) + path) for path in paths}
+    probs = {path: logits_to_probs(logits.unsqueeze(0), params)[0] for path, logits in logits_of.items()}
+    draft_probs = torch.softmax(torch.randn(1 + vocab, vocab, generator=torch.Generator().manual_seed(5)), -1)
+    best = DraftTree(tokens=[0, 1, 3], parents=[0, 0, 1], depths=[1, 1, 2])
     generator, walks = torch.Generator().manual_seed(3), 8_000
-    counts: dict[tuple[int, ...], int] = {}
+    counts: dict[tuple[int, int], int] = {}
+    chain_first_accepted = 0
     for _ in range(walks):
-        accepted, committed = accept_sampled(tree, logits, params, generator, sampler)
+        first = int(torch.multinomial(draft_probs[0], 1, generator=generator))
+        second = int(torch.multinomial(draft_probs[1 + first], 1, generator=generator))
+        chain = DraftBlock(tokens=torch.tensor([[first, second]]), confidence_logits=None,
+                           probs=torch.stack((draft_probs[0], draft_probs[1 + first])).unsqueeze(0))
+        tree = best.with_path([first, second])
+        row_paths = [tuple(tree.tokens[r - 1] for r in tree.ancestry(row)[1:]) for row in range(tree.rows)]
+        logits = torch.stack([logits_of.get(path, torch.zeros(vocab)) for path in row_paths])
+        accepted, committed = accept_sampled(tree, logits, params, generator, sampler, chain, chain_len=2)
         assert committed[:-1] == [tree.tokens[row - 1] for row in accepted]
-        key = tuple(committed[:2])
-        counts[key] = counts.get(key, 0) + 1
-    for first in range(5):
-        expected_first = float(probs[()][first])
-        seen_first = sum(n for key, n in counts.items() if key[0] == first) / walks
-        assert abs(seen_first - expected_first) < 4 * (expected_first * (1 - expected_first) / walks) ** 0.5 + 1e-9
-        if (first,) not in probs:  # not in the tree: the walk ends there
-            assert all(len(key) == 1 for key in counts if key[0] == first)
-            continue
-        for second in range(5):
-            expected = expected_first * float(probs[(first,)][second])
-            seen = counts.get((first, second), 0) / walks
-            assert abs(seen - expected) < 4 * (expected * (1 - expected) / walks) ** 0.5 + 1e-9
-    assert counts.get((1, 0), 0) > 0 or float(probs[(1,)][0]) == 0  # a depth-2 node was reached
+        chain_first_accepted += committed[0] == first
+        if len(committed) == 1:
+            committed.append(int(torch.multinomial(probs[(committed[0],)], 1, generator=generator)))
+        counts[tuple(committed[:2])] = counts.get(tuple(committed[:2]), 0) + 1
+
+    def close(seen: float, expected: float) -> bool:
+        return abs(seen - expected) < 4 * (expected * (1 - expected) / walks) ** 0.5 + 1e-9
+
+    for pair in itertools.product(range(vocab), repeat=2):
+        expected = float(probs[()][pair[0]] * probs[(pair[0],)][pair[1]])
+        assert close(counts.get(pair, 0) / walks, expected), f"{pair}: {counts.get(pair, 0) / walks} vs {expected}"
+    assert close(chain_first_accepted / walks, float(torch.minimum(probs[()], draft_probs[0]).sum()))
 
 
-def test_sampled_acceptance_refuses_rows_that_do_not_fit_the_tree() -> None:
+def test_sampled_acceptance_refuses_rows_or_a_chain_that_do_not_fit_the_tree() -> None:
     tree = DraftTree(tokens=[0, 1], parents=[0, 0], depths=[1, 1])
     with pytest.raises(ValueError, match="expected \\[3, V\\]"):
         accept_sampled(tree, torch.zeros(2, 5), SamplingParams.uniform(1), None)
+    chain = DraftBlock(tokens=torch.tensor([[0, 4]]), probs=torch.full((1, 2, 5), 0.2), confidence_logits=None)
+    with pytest.raises(ValueError, match="holds 1 of the chain's 2 drafts"):
+        accept_sampled(tree, torch.zeros(3, 5), SamplingParams.uniform(1), None, chain=chain, chain_len=2)
 
 
 def test_the_walked_chain_depth_is_the_part_of_it_the_tree_holds_as_a_path() -> None:

@@ -13,13 +13,15 @@ Row 0 of a tree is the bonus token (the root); rows 1.. are its nodes, each afte
 so a row's ancestors all come before it. Acceptance walks from the root, each time to the child
 holding the target's next token, and commits those tokens plus the target's token after the
 last. Greedy, that token is the row's argmax: exactly greedy decoding, whatever the tree holds.
-Sampled (`accept_sampled`), it is drawn afresh from the row's distribution (temperature, top-k,
-top-p, min-p), one row after the other: the walk is ancestral sampling of the target, each token
-drawn from its distribution given the tokens committed before it, so the output distribution is
-exactly the target's, whatever the tree holds. The tree only decides how far one forward reaches:
-a node survives with the target's probability of its token, so children the drafter ranks
-differently than the target still count (a chain's rejection sampling accepts its one draft with
-probability sum(min(p_t, p_d)) instead).
+Sampled (`accept_sampled`), each reached row's token is drawn from the target's distribution
+there (temperature, top-k, top-p, min-p), one row after the other: ancestral sampling of the
+target, so the output distribution is exactly the target's, whatever the tree holds. A node
+reached that way survives with the target's probability of its token (p_t(x)); a draft drawn
+from the drafter survives a rejection test with probability min(1, p_t(x) / p_d(x)), which is
+worth more where the two distributions agree but are flat (temperature 1: sum p_d p_t against
+sum min(p_t, p_d) a position). So a sampled request's tree holds its sampled chain: on the
+chain's rows its draft is tested first, and only a rejection draws from the residual, which may
+still lead to a sibling. The walk then accepts at least what the chain alone would.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from functools import cached_property
 import torch
 
 from sglang_dspark.decoding.sampling import SamplingParams
-from sglang_dspark.decoding.verification import TargetSampler, TorchTargetRows
+from sglang_dspark.decoding.verification import DraftBlock, TargetSampler, TorchTargetRows
 
 MarkovBias = Callable[[torch.Tensor, int], torch.Tensor]
 """(parent target ids `[n]`, block slot k) -> the drafter's bias `[n, V_draft]` at slot k."""
@@ -128,21 +130,42 @@ class DraftTree:
 
 
 def accept_sampled(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                   sampler: TargetSampler | None = None) -> tuple[list[int], list[int]]:
+                   sampler: TargetSampler | None = None, chain: DraftBlock | None = None, chain_len: int = 0
+                   ) -> tuple[list[int], list[int]]:
     """`DraftTree.accept` for a sampled request: `logits [tree.rows, V]` its verify rows, `params`
-    its sampling parameters (one request); each row the walk reaches draws its token from the
-    target's distribution there (`sampler` serves it without materialising it where it can, as in
-    `verification.verify_packed`), and only those rows are ever normalised."""
+    its sampling parameters (one request). Each row the walk reaches gives the target's token
+    there (`sampler` serves its distribution without materialising it where it can, as in
+    `verification.verify_packed`; only reached rows are ever normalised): drawn from p_t, except
+    on the rows of `chain`'s first `chain_len` drafts (drawn from the drafter's distributions in
+    `chain.probs`, which the tree must hold as a path). There the chain's next draft x is tested
+    first, as a chain verify would: accepted with probability min(1, p_t(x) / p_d(x)), else the
+    token is drawn from the residual norm(max(0, p_t - p_d)), which may still lead to a sibling.
+    Either way the token is distributed as p_t, so the output is the target's, and the walk accepts
+    the chain's drafts exactly as far as its rejection sampling would (the residual never holds a
+    rejected draft): the committed tokens' common prefix with the chain is the chain's outcome."""
     if logits.dim() != 2 or logits.shape[0] != tree.rows or params.batch_size != 1:
         raise ValueError(f"logits {tuple(logits.shape)} and {params.batch_size} requests' parameters for a tree "
                          f"of {tree.rows} rows: expected [{tree.rows}, V] and one request")
+    drafts = [] if chain is None else chain.tokens[0, :chain_len].tolist()
+    chain_rows = [0] + tree.follow(drafts)
+    if len(chain_rows) != len(drafts) + 1:
+        raise ValueError(f"the tree holds {len(chain_rows) - 1} of the chain's {len(drafts)} drafts as a path")
+    depth_of = {row: depth for depth, row in enumerate(chain_rows[:-1])}  # rows whose next token a draft tests
+    first = torch.tensor([0])
 
-    def draw(row: int) -> int:
+    def target_token(row: int) -> int:
         rows = torch.tensor([row])
         target = (sampler(logits, rows, params) if sampler is not None else None) or TorchTargetRows(logits, rows, params)
-        return int(target.sample(torch.tensor([0]), generator)[0])
+        if (depth := depth_of.get(row)) is None:
+            return int(target.sample(first, generator)[0])
+        slot = torch.tensor([depth])
+        p_target = float(target.probs_at(first, torch.tensor([drafts[depth]]))[0])
+        p_draft = float(chain.token_probs(first, slot)[0])
+        if float(torch.rand((), generator=generator, dtype=torch.float64)) * p_draft < p_target:
+            return drafts[depth]
+        return int(target.sample_final(first, torch.tensor([True]), chain, first, slot, generator)[0])
 
-    return tree.accept(draw)
+    return tree.accept(target_token)
 
 
 def grow_tree(base_logits: torch.Tensor, bonus: int, markov_bias: MarkovBias, draft_to_target: torch.Tensor | None,

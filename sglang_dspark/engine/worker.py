@@ -362,15 +362,13 @@ class DSparkLiveWorker(BaseSpecWorker):
         tree_accepted: list[int] = []
         if tree is not None:  # a lone request with plain rows: they are the target's own logits
             window_lens = torch.tensor([tree.rows])
+            chain = draft.tokens[0, : int(plan.verify_lens[0])].tolist()
             if bool(params.greedy[0]):
                 tree_accepted, committed_tokens = tree.accept_greedy(self.row_argmax(logits).cpu().tolist())
-                chain_accepted = _chain_accepted(draft.tokens[0, : int(plan.verify_lens[0])].tolist(),
-                                                 committed_tokens)
-            else:
-                logits = logits.cpu()
-                tree_accepted, committed_tokens = accept_sampled(tree, logits, params, self.verify_generator,
-                                                                 self.target_sampler)
-                chain_accepted = self._sampled_chain_round(tree, draft, logits, plan.verify_lens, params)
+            else:  # the chain's drafts are tested as a chain verify would (`_tree_plan`: the tree holds them)
+                tree_accepted, committed_tokens = accept_sampled(tree, logits.cpu(), params, self.verify_generator,
+                                                                 self.target_sampler, draft, len(chain))
+            chain_accepted = _chain_accepted(chain, committed_tokens)
             outcome = _tree_outcome(committed_tokens, self.stride)
         else:
             window_lens = plan.verify_lens + 1
@@ -511,9 +509,10 @@ class DSparkLiveWorker(BaseSpecWorker):
         cost table learns the rows the step really verifies. Greedy, the chain is the drafter's
         argmax walk, which the best-first tree mostly holds: its verify length is cut to what the
         tree holds (`_chain_accepted`). Sampled, the chain's drafts were drawn from the drafter and
-        may leave the tree, and a cut where they leave would keep only its likelier drafts (an
-        optimistic calibration): the tree holds the chain's k drafts too, and as many of the best
-        nodes as fit beside them (`_sampled_chain_round`)."""
+        may leave the tree; the tree holds its k drafts too, and as many of the best nodes as fit
+        beside them: on the chain's rows its drafts are tested by rejection sampling first
+        (`decoding.tree.accept_sampled`), so the walk accepts at least what the chain would, and
+        the chain's own outcome is read off the walk (`_chain_accepted`)."""
         planned = int(plan.verify_lens[0])
         if base is None or planned < 1:
             return None, plan
@@ -530,17 +529,6 @@ class DSparkLiveWorker(BaseSpecWorker):
         if plan.step_shape is not None:
             plan = dataclasses.replace(plan, step_shape=dataclasses.replace(plan.step_shape, batch_tokens=tree.rows))
         return tree, plan
-
-    def _sampled_chain_round(self, tree: DraftTree, draft: DraftBlock, logits: torch.Tensor,
-                             verify_lens: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """Drafts of a sampled request's chain (the first `verify_lens[0]`, which its tree holds as a
-        path) that a chain verify would have accepted, `[1]`: the chain's rejection sampling run on
-        the tree rows that hold it, with uniforms of its own. Its outcome is distributed as the
-        chain verify's would have been, which is what the calibration learns from; the output is
-        the tree's walk."""
-        rows = [0] + tree.follow(draft.tokens[0, : int(verify_lens[0])].tolist())
-        return verify_packed(draft, logits[rows], verify_lens, params, self.verify_generator,
-                             sampler=self.target_sampler).num_accepted
 
     def _take_tree_slots(self, slot: int, committed: int, node_slots: list[int], accepted_rows: list[int]) -> None:
         """Give the request's positions past its bonus the KV slots where its accepted nodes' KV
@@ -960,8 +948,10 @@ def _tree_outcome(committed_tokens: list[int], stride: int) -> VerifyResult:
 
 def _chain_accepted(chain: list[int], committed_tokens: list[int]) -> torch.Tensor:
     """Drafts of the walked chain a chain verify would have accepted, `[1]`: its leading tokens
-    the target committed. Exact for a chain the tree holds as a path (`_tree_plan` cuts it so):
-    the tree's greedy walk then follows it as far as the target agrees, and one token beyond."""
+    the target committed. Exact for a chain the tree holds as a path (`_tree_plan` makes it so):
+    the tree's greedy walk then follows it as far as the target agrees, and one token beyond; a
+    sampled walk tests its drafts as a chain verify would, and a rejected draft is never the
+    token drawn in its place."""
     accepted = 0
     while accepted < len(chain) and accepted < len(committed_tokens) and chain[accepted] == committed_tokens[accepted]:
         accepted += 1
