@@ -997,3 +997,35 @@ def test_a_tree_is_verified_only_where_the_rows_are_the_targets_own_logits():
                                                  has_custom_logit_processor=False)))
     assert not _plain_rows(batch(frequency_penalty=0.5))
     assert not _plain_rows(batch(min_new_tokens=4))
+
+
+@pytest.mark.parametrize(("tree_nodes", "planned"), [(15, 3), (15, 7), (3, 5)])
+def test_a_sampled_requests_tree_holds_its_chain_and_the_best_nodes_that_fit(tree_nodes, planned):
+    """A sampled chain's drafts are tested on their own rows, so the tree holds the planned k of
+    them as a path, fills the rest of its 2k + 1 nodes (at most `DSPARK_TREE_NODES`) with the
+    best-first nodes in their order, and never exceeds that budget (the KV positions reserved a
+    step); a greedy request's tree is the best-first tree, its chain cut to the part it holds."""
+    from types import SimpleNamespace
+
+    from sglang_dspark.decoding.tree import DraftTree
+    from sglang_dspark.engine.worker import DSparkLiveWorker
+
+    # best first: 10, 11, 12 after the bonus; 20 after 10, 30 after 20, ...
+    best = DraftTree(tokens=[10, 11, 20, 12, 30, 13, 40, 14, 50, 15, 60, 16, 70, 17, 18],
+                     parents=[0, 0, 1, 0, 3, 0, 5, 0, 7, 0, 9, 0, 11, 0, 0],
+                     depths=[1, 1, 2, 1, 3, 1, 4, 1, 5, 1, 6, 1, 7, 1, 1])
+    worker = SimpleNamespace(settings=SimpleNamespace(tree_nodes=tree_nodes),
+                             kernel_walk=SimpleNamespace(tree=lambda base, bonus, nodes: best.first(nodes)))
+    chain = [10, 21, 31, 41, 51, 61, 71]  # leaves the best-first tree after its first draft
+    budget = min(tree_nodes, 2 * planned + 1)
+    for greedy in (False, True):
+        plan = SimpleNamespace(verify_lens=torch.tensor([planned]), step_shape=None)
+        tree, plan = DSparkLiveWorker._tree_plan(worker, torch.zeros(7, 4), 5, plan, chain, greedy)
+        assert tree.rows - 1 <= budget
+        if greedy:
+            assert tree == best.first(budget) and int(plan.verify_lens[0]) == 1
+            continue
+        held = min(planned, budget)
+        assert int(plan.verify_lens[0]) == held and tree.chain_depth(chain) == held
+        kept = tree.rows - 1 - (held - 1)  # the chain's first draft is a best node
+        assert tree.tokens[:kept] == best.tokens[:kept] and tree.rows - 1 == budget
